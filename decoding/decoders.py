@@ -1,0 +1,54 @@
+"""Decoders: given the last token of each row, produce the next tokens.
+
+A decoder has `problems(model, cache)` (checked when a setup is built), `begin(device)`
+(seeds its generator; called once per generation), `start(logits)` (the first token
+from the prefill logits) and `step(model, cache, last) -> list[list[int]]` (tokens
+produced per row; plain decoding produces one, speculative decoding may produce more).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.sampling import SamplingParams, choose
+from models.errors import raise_if
+
+
+class SamplingDecoder:
+    """Plain autoregressive decoding; temperature 0 is greedy."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int = 0):
+        self.params = SamplingParams(temperature, top_k, top_p, min_p)
+        self.seed = seed
+        raise_if(self.params.problems())
+        self.generator: torch.Generator | None = None
+
+    def __repr__(self) -> str:
+        return f"SamplingDecoder({self.params}, seed={self.seed})"
+
+    def problems(self, model, cache) -> list[str]:
+        return self.params.problems()
+
+    @property
+    def stats(self) -> dict:
+        return {}
+
+    def begin(self, device: torch.device) -> None:
+        """Fresh generator from the seed: the same seed gives the same output."""
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def start(self, logits: torch.Tensor) -> torch.Tensor:
+        """First tokens [B] from the last prompt logits [B, V]."""
+        return choose(logits, self.params, self.generator)
+
+    @torch.inference_mode()
+    def step(self, model, cache, last: torch.Tensor) -> list[list[int]]:
+        """Feed last [B] at each row's next position; one new token per row."""
+        positions = cache.lengths[:, None].to(model.device)  # [B, 1]
+        logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]
+        return [[t] for t in choose(logits, self.params, self.generator).tolist()]
+
+
+def greedy() -> SamplingDecoder:
+    return SamplingDecoder(temperature=0.0)

@@ -1,0 +1,165 @@
+"""The one generation loop: owns stopping, streaming and timings for every decoder."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from decoding.prefill import prefill
+from models.errors import SetupError, raise_if
+
+# on_token(row, token_id, text_delta): text_delta is "" without a tokenizer
+TokenCallback = Callable[[int, int, str], None]
+
+
+@dataclass
+class GenerationResult:
+    """What one `generate` call produced, per row, with its timings."""
+
+    tokens: list[list[int]]  # generated ids per row (prompt excluded)
+    text: list[str] | None  # decoded generations (None without a tokenizer)
+    finish_reasons: list[str]  # eos | stop | length
+    prompt_lengths: list[int]
+    token_times: list[list[float]]  # seconds since the start, one per generated token
+    prefill_s: float
+    tokenize_s: float = 0.0
+    kv: dict = field(default_factory=dict)  # cache memory report (formula vs allocated)
+    stats: dict = field(default_factory=dict)  # decoder statistics (speculative, ...)
+
+    def ttft(self) -> list[float]:
+        """Time to first token per row: tokenize + prefill + first sampling (the token
+        times count from the request's start, which is before tokenizing when given)."""
+        return [t[0] for t in self.token_times if t]
+
+    def itl(self) -> list[float]:
+        """Inter-token latencies (s) of all rows together."""
+        return [b - a for t in self.token_times for a, b in zip(t, t[1:])]
+
+    def summary(self) -> dict:
+        """TTFT, ITL percentiles (ms), decode and total tokens/s, KV bytes."""
+        itl = sorted(self.itl())
+        n_dec = sum(max(0, len(t) - 1) for t in self.tokens)
+        dec_s = max((t[-1] for t in self.token_times if t), default=0.0) - min(
+            (t[0] for t in self.token_times if t), default=0.0)
+        return {
+            "ttft_s": statistics.median(self.ttft()) if self.ttft() else None,
+            "prefill_s": self.prefill_s, "tokenize_s": self.tokenize_s,
+            "itl_p50_ms": _pct(itl, 50), "itl_p95_ms": _pct(itl, 95), "itl_p99_ms": _pct(itl, 99),
+            "decode_tok_s": n_dec / dec_s if dec_s > 0 else None,
+            "new_tokens": sum(len(t) for t in self.tokens), **self.kv, **self.stats,
+        }
+
+
+def _pct(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    i = min(len(sorted_vals) - 1, max(0, round(q / 100 * (len(sorted_vals) - 1))))
+    return 1000 * sorted_vals[i]
+
+
+def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), tokenizer=None) -> None:
+    """Every problem with a generation request, raised together before any forward."""
+    p = []
+    if not isinstance(prompts, list) or not prompts:
+        raise SetupError("prompts must be a non-empty list of token-id lists")
+    vocab = model.cfg.vocab_size
+    for b, ids in enumerate(prompts):
+        if len(ids) == 0:
+            p.append(f"prompt {b} is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            p.append(f"prompt {b} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        p.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    else:
+        longest = max(len(x) for x in prompts)
+        need = longest + max_new_tokens
+        if need > model.cfg.max_seq_len:
+            p.append(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
+                     f"model's context of {model.cfg.max_seq_len}; shorten the prompt or max_new_tokens")
+        if need > cache.capacity:
+            p.append(f"prompt + max_new_tokens = {need} exceeds the cache capacity of {cache.capacity} per row")
+    if len(prompts) != cache.batch_size:
+        p.append(f"{len(prompts)} prompts for a cache built for batch {cache.batch_size}")
+    if stop and tokenizer is None:
+        p.append("stop strings need a tokenizer to decode text")
+    p += decoder.problems(model, cache)
+    raise_if(p)
+
+
+class _Rows:
+    """Per-row output state: tokens, times, stopping and incremental detokenization."""
+
+    def __init__(self, n: int, max_new: int, eos: set[int], stop: tuple[str, ...], tokenizer, on_token, t0):
+        self.tokens = [[] for _ in range(n)]
+        self.times = [[] for _ in range(n)]
+        self.text = ["" for _ in range(n)]
+        self.reason: list[str | None] = [None] * n
+        self.max_new, self.eos, self.stop, self.tok, self.on_token, self.t0 = max_new, eos, stop, tokenizer, on_token, t0
+
+    def done(self) -> bool:
+        return all(r is not None for r in self.reason)
+
+    def add(self, row: int, produced: list[int]) -> None:
+        """Append a row's new tokens, stopping at EOS, a stop string or max_new_tokens."""
+        now = time.perf_counter() - self.t0
+        for t in produced:
+            if self.reason[row] is not None:
+                return
+            self.tokens[row].append(t)
+            self.times[row].append(now)
+            self._emit(row, t)
+            if t in self.eos:
+                self.reason[row] = "eos"
+            elif len(self.tokens[row]) >= self.max_new:
+                self.reason[row] = "length"
+
+    def _emit(self, row: int, t: int) -> None:
+        delta = ""
+        if self.tok is not None and (self.on_token or self.stop):
+            full = self.tok.decode(self.tokens[row])
+            if not full.endswith("\ufffd"):  # else an incomplete UTF-8 sequence: wait for more
+                prev = len(self.text[row])
+                cut = min((full.find(s) for s in self.stop if s in full), default=-1)
+                if cut >= 0:  # the text ends before the stop string
+                    full, self.reason[row] = full[:cut], "stop"
+                delta, self.text[row] = full[prev:], full
+        if self.on_token:
+            self.on_token(row, t, delta)
+
+
+@torch.inference_mode()
+def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
+             eos_ids=(), stop=(), tokenizer=None, on_token: TokenCallback | None = None,
+             prefill_chunk: int | None = None, t_start: float | None = None,
+             tokenize_s: float = 0.0) -> GenerationResult:
+    """Generate up to `max_new_tokens` per row after `prompts` [B][n_b] token ids.
+
+    The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
+    end a row at the text before them; `on_token` streams tokens as they come."""
+    check_inputs(model, cache, decoder, prompts, max_new_tokens, tuple(stop), tokenizer)
+    t0 = t_start if t_start is not None else time.perf_counter()
+    cache.reset()
+    decoder.begin(model.device)
+    rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), tuple(stop), tokenizer, on_token, t0)
+    t_prefill = time.perf_counter()
+    logits = prefill(model, cache, prompts, prefill_chunk)
+    prefill_s = time.perf_counter() - t_prefill
+    last = decoder.start(logits)  # [B]
+    for b, t in enumerate(last.tolist()):
+        rows.add(b, [t])
+    while not rows.done():
+        produced = decoder.step(model, cache, last)
+        for b, toks in enumerate(produced):
+            rows.add(b, toks)
+        last = torch.tensor([p[-1] for p in produced], device=model.device)
+    text = None
+    if tokenizer is not None:
+        text = [rows.text[b] if rows.reason[b] == "stop" else tokenizer.decode(rows.tokens[b])
+                for b in range(len(prompts))]
+    return GenerationResult(rows.tokens, text, rows.reason, [len(p) for p in prompts], rows.times,
+                            prefill_s, tokenize_s, cache.memory_report(), decoder.stats)

@@ -1,0 +1,1 @@
+"""Hydra entry points: generate (CLI), baseline (vs transformers)."""

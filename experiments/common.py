@@ -1,0 +1,68 @@
+"""Helpers shared by the entry points: prompts of chosen lengths, run conditions, tables."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+FILLER = ("The history of computing is a story of people who wanted to calculate faster than "
+          "they could by hand. Mechanical calculators gave way to relays, relays to vacuum tubes, "
+          "and tubes to transistors, each step making machines smaller, cheaper and more reliable. ")
+
+
+def synthetic_prompt(lm, n_tokens: int, seed: int = 0) -> list[int]:
+    """Exactly `n_tokens` ids: English filler through the tokenizer when the model has
+    one, else seeded random ids."""
+    try:
+        tok = lm.tokenizer
+    except Exception:  # a random-weight model without a tokenizer
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, lm.cfg.vocab_size, (n_tokens,), generator=g).tolist()
+    ids = tok.encode(FILLER)
+    while len(ids) < n_tokens:
+        ids += tok.encode(FILLER)
+    return ids[:n_tokens]
+
+
+def _git_rev() -> str:
+    try:
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def run_conditions(model=None) -> dict:
+    """Hardware, threads, versions and git revision, recorded with every figure."""
+    versions = {}
+    for pkg in ("torch", "transformers", "optimum-quanto", "triton"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cond = {"git": _git_rev(), "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            **versions}
+    if model is not None:
+        cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
+    return cond
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def print_table(rows: list[dict]) -> None:
+    """A Markdown table of dicts sharing keys."""
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(_fmt(r[k]) for k in keys) + " |")

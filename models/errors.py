@@ -1,0 +1,22 @@
+"""The one error type for bad setups and bad inputs.
+
+Every check that can fail before expensive work starts collects *all* of its reasons
+and raises one `SetupError`, so a user fixes everything in one go.
+"""
+
+from __future__ import annotations
+
+
+class SetupError(ValueError):
+    """A setup or an input that cannot work; `reasons` lists every problem found."""
+
+    def __init__(self, reasons: list[str] | str):
+        self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
+        lines = "\n".join(f"  - {r}" for r in self.reasons)
+        super().__init__(f"invalid setup ({len(self.reasons)} problem(s)):\n{lines}")
+
+
+def raise_if(reasons: list[str]) -> None:
+    """Raise one SetupError listing every reason, if there is any."""
+    if reasons:
+        raise SetupError(reasons)

