@@ -97,7 +97,8 @@ class _Rows:
     def __init__(self, n: int, max_new: int, eos: set[int], stop: tuple[str, ...], tokenizer, on_token, t0):
         self.tokens = [[] for _ in range(n)]
         self.times = [[] for _ in range(n)]
-        self.text = ["" for _ in range(n)]
+        self.text = ["" for _ in range(n)]  # decoded so far (cut before a stop string)
+        self.emitted = [0] * n  # characters of text already streamed
         self.reason: list[str | None] = [None] * n
         self.max_new, self.eos, self.stop, self.tok, self.on_token, self.t0 = max_new, eos, stop, tokenizer, on_token, t0
 
@@ -112,24 +113,32 @@ class _Rows:
                 return
             self.tokens[row].append(t)
             self.times[row].append(now)
-            self._emit(row, t)
             if t in self.eos:
                 self.reason[row] = "eos"
             elif len(self.tokens[row]) >= self.max_new:
                 self.reason[row] = "length"
+            self._emit(row, t)
 
     def _emit(self, row: int, t: int) -> None:
         delta = ""
         if self.tok is not None and (self.on_token or self.stop):
             full = self.tok.decode(self.tokens[row])
-            if not full.endswith("\ufffd"):  # else an incomplete UTF-8 sequence: wait for more
-                prev = len(self.text[row])
+            final = self.reason[row] is not None
+            if final or not full.endswith("\ufffd"):  # else an incomplete UTF-8 sequence: wait
                 cut = min((full.find(s) for s in self.stop if s in full), default=-1)
                 if cut >= 0:  # the text ends before the stop string
-                    full, self.reason[row] = full[:cut], "stop"
-                delta, self.text[row] = full[prev:], full
+                    full, self.reason[row], final = full[:cut], "stop", True
+                # hold back a tail that may be the start of a stop string
+                safe = len(full) if final else len(full) - _stop_prefix_len(full, self.stop)
+                delta = full[self.emitted[row]:safe]
+                self.text[row], self.emitted[row] = full, max(self.emitted[row], safe)
         if self.on_token:
             self.on_token(row, t, delta)
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 @torch.inference_mode()
