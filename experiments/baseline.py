@@ -2,7 +2,7 @@
 and dtype, in one process, alternating, medians over repeats.
 
     python -m experiments.baseline [model=smollm2-135m] [prompt_lengths=[128,1024]]
-        [new_tokens=64] [repeats=5] [dtype=float32] [threads=null]
+        [new_tokens=64] [repeats=5] [model.dtype=float32] [threads=null]
 
 Both sides generate exactly `new_tokens` tokens (EOS ignored) from the same token ids.
 TTFT is the time from the call to the first token; decode tokens/s counts the tokens
@@ -22,7 +22,7 @@ from decoding.decoders import greedy
 from decoding.generate import generate
 from decoding.text import make_cache
 from experiments.common import print_table, run_conditions, synthetic_prompt
-from models.loading import CONF_DIR, load
+from models.loading import CONF_DIR, instantiate_unwrapped
 
 
 class _TimingStreamer:
@@ -96,10 +96,10 @@ def hf_model_for(lm):
 def main(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    lm = load(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    lm = instantiate_unwrapped(cfg.model)
     hf = hf_model_for(lm)
     rows = [compare(lm, hf, n, cfg.new_tokens, cfg.repeats) for n in cfg.prompt_lengths]
-    print(f"model={lm.name} dtype={cfg.dtype} repeats={cfg.repeats} (medians)")
+    print(f"model={lm.name} dtype={lm.model.dtype} repeats={cfg.repeats} (medians)")
     print_table(rows)
     print("conditions:", run_conditions(lm.model))
 

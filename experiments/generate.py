@@ -55,7 +55,8 @@ def check_request(cfg: DictConfig, text: str) -> None:
         raise SetupError(p)
 
 
-def report(result, out=sys.stdout) -> None:
+def report(result, out=None) -> None:
+    out = out or sys.stdout
     s = result.summary()
     fmt = lambda v, unit="": "n/a" if v is None else f"{v:.2f}{unit}"  # noqa: E731
     print(f"\n\n--- {s['new_tokens']} tokens, finish: {','.join(result.finish_reasons)}", file=out)

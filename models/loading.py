@@ -32,6 +32,7 @@ class LoadedModel:
     name: str
     hf_dir: Path | None = None  # transformers-format directory holding the same weights
     tokenizer_dir: Path | None = None
+    tokenizer_from: str | None = None  # a model name whose tokenizer this one borrows
     _tokenizer: object = field(default=None, repr=False)
 
     @property
@@ -44,6 +45,8 @@ class LoadedModel:
         if self._tokenizer is None:
             from models.tokenizer import Tokenizer
 
+            if self.tokenizer_dir is None and self.tokenizer_from:
+                self.tokenizer_dir = tokenizer_source(self.tokenizer_from)
             if self.tokenizer_dir is None:
                 raise SetupError(f"model {self.name!r} has no tokenizer; give token ids, or a model "
                                  "config with `tokenizer:` naming a model whose tokenizer to use")
@@ -95,8 +98,9 @@ def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float3
     model = model.to_empty(device="cpu")
     init_random_(model, seed)
     model = _ready(model.to(device=dev, dtype=dt))
-    tok_dir = tokenizer_source(tokenizer) if tokenizer else None
-    return LoadedModel(model, name, tokenizer_dir=tok_dir)
+    if tokenizer:
+        model_spec(tokenizer)  # an unknown name fails now, not at first use
+    return LoadedModel(model, name, tokenizer_from=tokenizer)
 
 
 def _with_rope_defaults(d: dict) -> dict:

@@ -101,12 +101,16 @@ def test_smollm2_greedy_32_tokens_identical_to_transformers_generate(smollm2):
     from decoding import generate, greedy
 
     hf = LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
-    for prompt in ["What is the capital of France?", "Write a haiku about the sea."]:
-        ids = smollm2.tokenizer.encode(prompt, chat=True)
-        ours = generate(smollm2.model, cache_for(smollm2.model, 1, len(ids) + 32), greedy(), [ids], 32).tokens[0]
+    tok = smollm2.tokenizer
+    prompts = ["Write a long story about a dragon who learns to cook.", "Explain how a bicycle works, in detail.",
+               "List twenty animals that live in the ocean."]
+    for prompt in prompts:
+        ids = tok.encode(prompt, chat=True)
+        ours = generate(smollm2.model, cache_for(smollm2.model, 1, len(ids) + 32), greedy(), [ids], 32,
+                        eos_ids=tok.eos_ids).tokens[0]
         with torch.inference_mode():
             x = torch.tensor([ids])
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, min_new_tokens=32,
-                              do_sample=False, pad_token_id=0)
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                              eos_token_id=list(tok.eos_ids), pad_token_id=0)
         assert ours == out[0, len(ids):].tolist()
-        assert len(ours) == 32
+        assert len(ours) == 32, "pick prompts whose answers are longer than 32 tokens"
