@@ -88,6 +88,11 @@ class KVCache:
     #: how many tokens a row can roll back after a forward; a declared capability,
     #: checked when a setup is built (speculative decoding needs >= gamma)
     rollback_limit: float = math.inf
+    #: True when stored K/V are approximations (quantized); exact backends must agree
+    #: with dense to float rounding
+    lossy: bool = False
+    #: leading positions a windowed layer keeps visible (StreamingLLM attention sinks)
+    sink_tokens: int = 0
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
         reasons = []
@@ -116,11 +121,21 @@ class KVCache:
         ok = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.detach().cpu()
         last = torch.where(ok, pos, -1).max(dim=1).values + 1  # [B]
         self.lengths = torch.where(last > 0, last, self.lengths)
-        self._qpos, self._masks = pos, {}
+        self._qpos, self._valid, self._masks = pos, ok, {}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """Store k, v [B, Hkv, T, D] at `positions` [B, T]; return attention of q [B, Hq, T, D]."""
+        raise NotImplementedError
+
+    def window(self, layer: int) -> int | None:
+        """The window this backend applies to a layer: the model's own, unless the backend
+        imposes one (an approximation it must label)."""
+        return self.layout.windows[layer]
+
+    def read(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a row holds now in one layer, in position order: positions [N],
+        k [Hkv, N, D], v [Hkv, N, D] (dequantized where the backend quantizes)."""
         raise NotImplementedError
 
     # -- called by decoders --------------------------------------------------------

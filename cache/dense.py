@@ -59,5 +59,9 @@ class DenseCache(KVCache):
         keys, values = self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
         return reference_attention(q, keys, values, mask, self.layout.softmax_scale, self.layout.softcap, causal)
 
+    def read(self, layer, row):
+        n = int(self.lengths[row])
+        return torch.arange(n), self.k[layer][row, :, :n], self.v[layer][row, :, :n]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

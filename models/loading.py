@@ -74,30 +74,35 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 # -- random initialization ----------------------------------------------------------
 def init_random_(model: Transformer, seed: int) -> Transformer:
-    """Weights ~ N(0, 0.02); norm weights jittered around identity so that a swapped or
-    misnamed norm shows up in agreement tests."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Weights ~ N(0, 0.02), drawn on the model's device in its dtype's precision; norm
+    weights jittered around identity so that a swapped or misnamed norm shows up in
+    agreement tests."""
+    g = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g) * (0.1 if "norm" in name else 0.02)
-            base = (1.0 - model.cfg.norm_offset) if "norm" in name else 0.0
-            p.copy_((base + noise).to(p.dtype))
+            noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(noise.mul_(0.1).add_(1.0 - model.cfg.norm_offset))
+            else:
+                p.copy_(noise.mul_(0.02))
     return model
 
 
 def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float32",
                  device: str | None = "auto", name: str = "random", tokenizer: str | None = None,
                  max_seq_len: int | None = None) -> LoadedModel:
-    """A randomly initialized model; `tokenizer` names a model whose tokenizer it borrows."""
+    """A randomly initialized model, built directly on its device and dtype (Llama-3-8B
+    shapes fit a GPU without a CPU copy); `tokenizer` names a model whose tokenizer it
+    borrows."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
     if max_seq_len:
         cfg = cfg.with_(max_seq_len=max_seq_len)
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device="cpu")
+    model = model.to(dtype=dt).to_empty(device=dev)
     init_random_(model, seed)
-    model = _ready(model.to(device=dev, dtype=dt))
+    model = _ready(model)
     if tokenizer:
         model_spec(tokenizer)  # an unknown name fails now, not at first use
     return LoadedModel(model, name, tokenizer_from=tokenizer)
