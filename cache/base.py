@@ -138,6 +138,16 @@ class KVCache:
         k [Hkv, N, D], v [Hkv, N, D] (dequantized where the backend quantizes)."""
         raise NotImplementedError
 
+    # -- called by prefill: prefix caching (backends that share prompt blocks override) --
+    def reuse_prefix(self, prompts: list[list[int]]) -> list[int]:
+        """Before prefill (rows empty): map cached prompt prefixes into each row and return
+        how many tokens of each prompt are already cached (at most len - 1, so the last
+        prompt position is always computed). Default: no prefix cache."""
+        return [0] * len(prompts)
+
+    def remember_prefix(self, prompts: list[list[int]]) -> None:
+        """After prefill: offer each row's prompt blocks for reuse. Default: nothing."""
+
     # -- called by decoders --------------------------------------------------------
     def truncate(self, lengths) -> None:
         """Roll rows back to `lengths` [B] (each <= its current length)."""

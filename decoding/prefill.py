@@ -22,7 +22,15 @@ def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = Non
     Rows are right-padded; padding is marked invalid, sits at later positions than any
     real token of its row, and is overwritten by the first decode step, so it never
     changes a result. With `chunk_size`, the prompt runs in chunks of that many
-    positions (same logits as one pass, smaller peak memory)."""
+    positions (same logits as one pass, smaller peak memory). A backend with a prefix
+    cache maps already-cached prompt blocks first; only the rest is computed."""
+    reused = cache.reuse_prefix(prompts) if bool((cache.lengths == 0).all()) else [0] * len(prompts)
+    logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size)
+    cache.remember_prefix(prompts)
+    return logits
+
+
+def _run(model, cache, prompts: list[list[int]], chunk_size: int | None) -> torch.Tensor:
     ids, n = pad_prompts(prompts, model.device)
     B, T = ids.shape
     offsets = torch.arange(T)
