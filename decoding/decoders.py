@@ -34,7 +34,9 @@ class SamplingDecoder:
     def stats(self) -> dict:
         return {}
 
-    def begin(self, device: torch.device) -> None:
+    lookahead = 0  # positions written past the output (speculative verification)
+
+    def begin(self, device: torch.device, prompts: list[list[int]], capacity: int) -> None:
         """Fresh generator from the seed: the same seed gives the same output."""
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
 
@@ -43,7 +45,7 @@ class SamplingDecoder:
         return choose(logits, self.params, self.generator)
 
     @torch.inference_mode()
-    def step(self, model, cache, last: torch.Tensor) -> list[list[int]]:
+    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None) -> list[list[int]]:
         """Feed last [B] at each row's next position; one new token per row."""
         positions = cache.lengths[:, None].to(model.device)  # [B, 1]
         logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]

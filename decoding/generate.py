@@ -77,12 +77,14 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
         p.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
     else:
         longest = max(len(x) for x in prompts)
-        need = longest + max_new_tokens
+        # a decoder that verifies ahead writes up to `lookahead` positions past the output
+        need = longest + max_new_tokens + getattr(decoder, "lookahead", 0)
         if need > model.cfg.max_seq_len:
             p.append(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds the "
                      f"model's context of {model.cfg.max_seq_len}; shorten the prompt or max_new_tokens")
         if need > cache.capacity:
-            p.append(f"prompt + max_new_tokens = {need} exceeds the cache capacity of {cache.capacity} per row")
+            p.append(f"prompt + max_new_tokens (+ the decoder's lookahead) = {need} exceeds the cache capacity "
+                     f"of {cache.capacity} per row; build the cache larger")
     if len(prompts) != cache.batch_size:
         p.append(f"{len(prompts)} prompts for a cache built for batch {cache.batch_size}")
     if stop and tokenizer is None:
@@ -153,7 +155,7 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     check_inputs(model, cache, decoder, prompts, max_new_tokens, tuple(stop), tokenizer)
     t0 = t_start if t_start is not None else time.perf_counter()
     cache.reset()
-    decoder.begin(model.device)
+    decoder.begin(model.device, prompts, cache.capacity)
     rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), tuple(stop), tokenizer, on_token, t0)
     t_prefill = time.perf_counter()
     logits = prefill(model, cache, prompts, prefill_chunk)
@@ -162,7 +164,7 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     for b, t in enumerate(last.tolist()):
         rows.add(b, [t])
     while not rows.done():
-        produced = decoder.step(model, cache, last)
+        produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason])
         for b, toks in enumerate(produced):
             rows.add(b, toks)
         last = torch.tensor([p[-1] for p in produced], device=model.device)

@@ -26,8 +26,9 @@ def generate_text(lm, prompts: str | list[str], *, decoder=None, cache: CacheFac
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [lm.tokenizer.encode(t, chat=chat) for t in texts]
     tokenize_s = time.perf_counter() - t0
-    capacity = max(len(x) for x in ids) + max_new_tokens
+    decoder = decoder or SamplingDecoder()
+    capacity = max(len(x) for x in ids) + max_new_tokens + decoder.lookahead
     kv = make_cache(lm.model, len(ids), capacity, cache)
-    return generate(lm.model, kv, decoder or SamplingDecoder(), ids, max_new_tokens,
+    return generate(lm.model, kv, decoder, ids, max_new_tokens,
                     eos_ids=lm.tokenizer.eos_ids, stop=stop, tokenizer=lm.tokenizer, on_token=on_token,
                     prefill_chunk=prefill_chunk, t_start=t0, tokenize_s=tokenize_s)

@@ -90,7 +90,7 @@ def run(cfg: DictConfig):
     t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
     ids = tok.encode(text, chat=cfg.chat_template, system=cfg.system)
     tokenize_s = time.perf_counter() - t0
-    cache = make_cache(lm.model, 1, len(ids) + cfg.max_new_tokens, instantiate_unwrapped(cfg.cache))
+    cache = make_cache(lm.model, 1, len(ids) + cfg.max_new_tokens + decoder.lookahead, instantiate_unwrapped(cfg.cache))
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
     stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream else None
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,

@@ -155,6 +155,7 @@ class Transformer(nn.Module):
         cache,
         valid: torch.Tensor | None = None,  # [B, T] bool: False marks padding (not cached)
         logit_index: torch.Tensor | None = None,  # [B, K]: compute logits only at these t
+        n_layers: int | None = None,  # run only the first n layers (early-exit self-draft)
     ) -> torch.Tensor:
         """Logits [B, T, V] (or [B, K, V] with `logit_index`)."""
         cache.prepare(positions, valid)
@@ -162,7 +163,7 @@ class Transformer(nn.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
-        for layer, block in enumerate(self.layers):
+        for layer, block in enumerate(self.layers[:n_layers]):
             x = block(x, ropes[self._rope_keys[layer]], positions, cache)
         if logit_index is not None:
             x = x.gather(1, logit_index[..., None].expand(-1, -1, x.shape[-1]))

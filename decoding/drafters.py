@@ -1,0 +1,161 @@
+"""Drafters for speculative decoding. Each one proposes gamma tokens per row and the
+distributions q they were drawn from, then rolls its own state back to what the target
+accepted.
+
+- `ModelDrafter`: a draft model with its own cache (any backend); also the truncated
+  self-draft (the target's first K layers + final norm + head) and the quantized
+  self-draft (the target with optimum-quanto int8/int4 weights).
+- `PromptLookupDrafter`: n-gram match against the prompt and the text so far; its
+  proposals are deterministic, so q is one-hot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache.dense import DenseCache
+from decoding.prefill import prefill
+from decoding.sampling import SamplingParams, logits_to_probs, sample
+from decoding.text import make_cache
+
+
+class EarlyExit(torch.nn.Module):
+    """The target's first `n_layers` layers + its final norm and head (weights shared)."""
+
+    def __init__(self, model, n_layers: int):
+        super().__init__()
+        self.model, self.n_layers = model, n_layers
+        c = model.cfg
+        self.cfg = c.with_(n_layers=n_layers, windows=c.windows[:n_layers])
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def dtype(self):
+        return self.model.dtype
+
+    def forward(self, ids, positions, cache, **kw):
+        return self.model(ids, positions, cache, n_layers=self.n_layers, **kw)
+
+
+class ModelDrafter:
+    """Draft with a model whose vocabulary is the target's, through its own cache."""
+
+    def __init__(self, model, cache=DenseCache, tokenizer=None, target_tokenizer=None, name: str = "draft"):
+        self.model, self.cache_factory, self.name = model, cache, name
+        self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
+        self.cache = None
+
+    def __repr__(self) -> str:
+        return f"ModelDrafter({self.name})"
+
+    def problems(self, target, batch_size: int, gamma: int) -> list[str]:
+        if self.model.cfg.vocab_size != target.cfg.vocab_size:
+            return [f"draft {self.name} has a vocabulary of {self.model.cfg.vocab_size} tokens, the target "
+                    f"{target.cfg.vocab_size}: the draft must share the target's tokenizer"]
+        if self.tokenizer is not None and self.target_tokenizer is not None and (
+                self.tokenizer.vocab() != self.target_tokenizer.vocab()):
+            return [f"draft {self.name}'s tokenizer maps tokens to other ids than the target's; "
+                    "use a draft made for the target's tokenizer"]
+        return []
+
+    def begin(self, prompts: list[list[int]], capacity: int) -> None:
+        """A draft cache as large as the target's, prefilled with the prompts (the shared prefill)."""
+        self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
+        if self.cache.rollback_limit < 1:
+            raise ValueError("the draft cache must be able to roll back")
+        prefill(self.model, self.cache, prompts)
+        self.pending = [[] for _ in prompts]  # accepted tokens the draft has not fed yet
+
+    @torch.inference_mode()
+    def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
+        """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
+        feeds = [p + [int(t)] for p, t in zip(self.pending, last.tolist())]
+        self._last_at = self.cache.lengths + torch.tensor([len(f) - 1 for f in feeds])  # [B] position of last
+        logits = self._feed(feeds)  # [B, V]
+        tokens, probs = [], []
+        for i in range(gamma):
+            q = logits_to_probs(logits, params)  # [B, V]
+            x = q.argmax(-1) if params.greedy else sample(q, generator)
+            tokens.append(x)
+            probs.append(q)
+            if i < gamma - 1:
+                pos = self.cache.lengths[:, None].to(self.model.device)
+                logits = self.model(x[:, None], pos, self.cache)[:, -1]
+        self._draft = torch.stack(tokens, 1)  # [B, G]
+        return self._draft, torch.stack(probs, 1)
+
+    def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
+        """Run ragged token lists after each row's cached length; last logits [B, V]."""
+        n = torch.tensor([len(f) for f in feeds])
+        T = int(n.max())
+        ids = torch.zeros(len(feeds), T, dtype=torch.long)
+        for b, f in enumerate(feeds):
+            ids[b, : len(f)] = torch.tensor(f)
+        dev = self.model.device
+        positions = (self.cache.lengths[:, None] + torch.arange(T)).to(dev)  # [B, T]
+        valid = (torch.arange(T)[None] < n[:, None]).to(dev)  # [B, T]
+        return self.model(ids.to(dev), positions, self.cache, valid=valid, logit_index=(n - 1)[:, None].to(dev))[:, 0]
+
+    def commit(self, n: torch.Tensor, nxt: torch.Tensor, active: torch.Tensor) -> None:
+        """Roll back to what the target kept. The draft fed last, d_1..d_{G-1}; an active
+        row keeps last + d_1..d_n (d_G, when all were accepted, is fed next round); a
+        frozen row keeps what it had before last."""
+        G = self._draft.shape[1]
+        fed = torch.minimum(n, torch.full_like(n, G - 1))
+        keep = torch.where(active, self._last_at + 1 + fed, self._last_at)
+        self.cache.truncate(keep)
+        self.pending = [[int(self._draft[b, G - 1])] if bool(active[b]) and int(n[b]) == G else []
+                        for b in range(len(n))]
+
+
+class PromptLookupDrafter:
+    """Propose the tokens that followed the latest earlier occurrence of the last n-gram
+    (n from `max_ngram` down to `min_ngram`) in the prompt and the text so far."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def __repr__(self) -> str:
+        return f"PromptLookupDrafter(ngram {self.min_ngram}..{self.max_ngram})"
+
+    def problems(self, target, batch_size: int, gamma: int) -> list[str]:
+        p = []
+        if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
+            p.append(f"prompt lookup min_ngram must be an integer >= 1, got {self.min_ngram}")
+        if not isinstance(self.max_ngram, int) or self.max_ngram < max(1, self.min_ngram or 1):
+            p.append(f"prompt lookup max_ngram must be >= min_ngram and >= 1, got {self.max_ngram}")
+        self.vocab_size = target.cfg.vocab_size
+        return p
+
+    def begin(self, prompts: list[list[int]], capacity: int) -> None:
+        self.history = [list(p) for p in prompts]
+
+    def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
+        """Deterministic proposals [B, G] and their one-hot q [B, G, V]."""
+        rows = []
+        for h, t in zip(self.history, last.tolist()):
+            h.append(t)
+            rows.append(self._lookup(h, gamma))
+        self._draft = torch.tensor(rows, device=last.device)  # [B, G]
+        q = torch.nn.functional.one_hot(self._draft, self.vocab_size).float()
+        return self._draft, q
+
+    def _lookup(self, h: list[int], gamma: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            tail = h[-n:]
+            for s in range(len(h) - n - 1, -1, -1):  # latest earlier occurrence first
+                if h[s:s + n] == tail:
+                    follow = h[s + n: s + n + gamma]
+                    return follow + [follow[-1]] * (gamma - len(follow))
+        return [h[-1]] * gamma  # no match: repeat the last token (verified like any draft)
+
+    def commit(self, n: torch.Tensor, nxt: torch.Tensor, active: torch.Tensor) -> None:
+        """The history keeps the accepted drafts; the next token arrives as `last`."""
+        for b, h in enumerate(self.history):
+            if bool(active[b]):
+                h.extend(self._draft[b, : int(n[b])].tolist())
+            else:
+                h.pop()  # frozen row: `last` comes again next round

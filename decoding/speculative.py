@@ -1,0 +1,182 @@
+"""Speculative decoding: a drafter proposes gamma tokens, the target verifies them in
+one forward over gamma + 1 positions through the same `cache.attend` path, a prefix is
+accepted by rejection sampling (Leviathan et al. 2023, Chen et al. 2023), and both
+caches roll back with `truncate`.
+
+Greedy is the same math at temperature 0: p and q are one-hot, so a draft token is
+accepted iff it is the target's argmax and the resample is the target's argmax.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decoding.sampling import SamplingParams, logits_to_probs
+from models.errors import raise_if
+
+
+def rejection_sample(
+    p: torch.Tensor,  # [B, G + 1, V] target probs at each draft position and the bonus one
+    q: torch.Tensor,  # [B, G, V] draft probs the draft tokens were drawn from
+    draft: torch.Tensor,  # [B, G] proposed tokens
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted count n [B] (0..G) and the next token [B]: x_i is accepted with
+    probability min(1, p_i(x)/q_i(x)); at the first rejection the token is resampled
+    from normalize(max(0, p_i - q_i)); when all G are accepted, a bonus from p_G."""
+    B, G = draft.shape
+    px = p[:, :G].gather(-1, draft[..., None]).squeeze(-1)  # [B, G]
+    qx = q.gather(-1, draft[..., None]).squeeze(-1)  # [B, G]
+    u = torch.rand(B, G, generator=generator, device=p.device)
+    accept = u * qx < px  # q <= p: always; q > p: with probability p / q
+    n = accept.long().cumprod(-1).sum(-1)  # [B] length of the accepted prefix
+    rows = torch.arange(B, device=p.device)
+    at = n.clamp(max=G - 1)
+    residual = (p[rows, at] - q[rows, at]).clamp_min(0)  # [B, V]
+    dist = torch.where((n == G)[:, None], p[:, G], residual)
+    mass = dist.sum(-1, keepdim=True)
+    dist = torch.where(mass > 0, dist / mass.clamp_min(1e-30), p[rows, at])  # p == q: nothing to fix
+    nxt = torch.multinomial(dist, 1, generator=generator).squeeze(-1)
+    return n, nxt
+
+
+def overlap(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum_x min(p(x), q(x)) per position: the acceptance probability alpha."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def leviathan_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Expected speedup (1 - a^(g+1)) / ((1 - a)(g c + 1)); c = draft step / target call."""
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
+
+
+class SpeculativeStats:
+    """Acceptance per draft position, tokens per target call, alpha, and the time split."""
+
+    def __init__(self, gamma_max: int):
+        self.proposed = [0] * gamma_max  # times draft position i was verified
+        self.accepted = [0] * gamma_max  # times it was accepted
+        self.calls = self.rows = self.tokens = self.draft_steps = 0
+        self.alpha_sum, self.alpha_n = 0.0, 0
+        self.draft_s = self.verify_s = self.other_s = 0.0
+        self.gammas: list[int] = []
+
+    def record(self, n: torch.Tensor, active: torch.Tensor, gamma: int, alpha: torch.Tensor) -> None:
+        """n [B] accepted, active [B] bool, alpha [B, G] overlaps."""
+        n, act = n[active].tolist(), int(active.sum())
+        self.calls += 1
+        self.rows += act
+        self.tokens += sum(n) + act
+        for i in range(gamma):
+            self.proposed[i] += act
+            self.accepted[i] += sum(1 for x in n if x > i)
+        self.alpha_sum += float(alpha[active].sum())
+        self.alpha_n += alpha[active].numel()
+        self.gammas.append(gamma)
+
+    def summary(self) -> dict:
+        alpha = self.alpha_sum / max(1, self.alpha_n)
+        gamma = sum(self.gammas) / max(1, len(self.gammas))
+        c = (self.draft_s / max(1, self.draft_steps)) / (self.verify_s / max(1, self.calls)) if self.calls else 0.0
+        return {
+            "acceptance_per_position": [a / p if p else None for a, p in zip(self.accepted, self.proposed)],
+            "acceptance_rate": sum(self.accepted) / max(1, sum(self.proposed)),
+            "tokens_per_target_call": self.tokens / max(1, self.rows),
+            "alpha": alpha, "mean_gamma": gamma, "target_calls": self.calls, "draft_cost_ratio": c,
+            "predicted_speedup": leviathan_speedup(alpha, gamma, c) if self.calls else None,
+            "time_draft_s": self.draft_s, "time_verify_s": self.verify_s, "time_overhead_s": self.other_s,
+        }
+
+
+class SpeculativeDecoder:
+    """Draft with `drafter`, verify with the target, accept by rejection sampling.
+
+    Adaptive gamma (`adaptive=True`): after each step, when every active row accepted
+    all gamma tokens, gamma grows by 1; when the rows accepted under half of them on
+    average, it shrinks by 1; always within [gamma_min, gamma_max]."""
+
+    def __init__(self, drafter, gamma: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int = 0, adaptive: bool = False, gamma_min: int = 1,
+                 gamma_max: int | None = None):
+        self.drafter, self.seed, self.adaptive = drafter, seed, adaptive
+        self.params = SamplingParams(temperature, top_k, top_p, min_p)
+        self.gamma0, self.gamma_min = gamma, gamma_min
+        self.gamma_max = gamma_max if gamma_max is not None else (2 * gamma if adaptive else gamma)
+        raise_if(self._own_problems())
+        self.lookahead = self.gamma_max + 1
+        self.generator: torch.Generator | None = None
+        self._stats = SpeculativeStats(max(1, self.gamma_max))
+
+    def __repr__(self) -> str:
+        return f"SpeculativeDecoder({self.drafter!r}, gamma={self.gamma0}, adaptive={self.adaptive}, {self.params})"
+
+    def _own_problems(self) -> list[str]:
+        p = self.params.problems()
+        if not isinstance(self.gamma0, int) or self.gamma0 < 1:
+            p.append(f"gamma must be an integer >= 1, got {self.gamma0}")
+        elif self.adaptive and not (1 <= self.gamma_min <= self.gamma0 <= self.gamma_max):
+            p.append(f"adaptive gamma needs 1 <= gamma_min ({self.gamma_min}) <= gamma ({self.gamma0}) "
+                     f"<= gamma_max ({self.gamma_max})")
+        return p
+
+    def problems(self, model, cache) -> list[str]:
+        """Everything that makes this setup unable to run, for `check_inputs`."""
+        p = self._own_problems()
+        if cache.rollback_limit < self.gamma_max:
+            p.append(f"cache {type(cache).__name__} can roll back {cache.rollback_limit} tokens but gamma "
+                     f"{self.gamma_max} needs {self.gamma_max}; lower gamma or raise the cache's rollback")
+        return p + self.drafter.problems(model, cache.batch_size, self.gamma_max)
+
+    @property
+    def stats(self) -> dict:
+        return self._stats.summary()
+
+    def begin(self, device: torch.device, prompts: list[list[int]], capacity: int) -> None:
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        self.gamma = self.gamma0
+        self._stats = SpeculativeStats(self.gamma_max)
+        self.drafter.begin(prompts, capacity)
+
+    def start(self, logits: torch.Tensor) -> torch.Tensor:
+        from decoding.sampling import choose
+
+        return choose(logits, self.params, self.generator)
+
+    @torch.inference_mode()
+    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None) -> list[list[int]]:
+        """One draft-and-verify round; rows in `done` are frozen (their caches do not grow)."""
+        t0 = time.perf_counter()
+        G, B = self.gamma, last.shape[0]
+        active = ~torch.tensor(done if done is not None else [False] * B)
+        draft, q = self.drafter.propose(last, G, self.params, self.generator)  # [B, G], [B, G, V]
+        t1 = time.perf_counter()
+        L = cache.lengths.clone()
+        ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
+        positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
+        p = logits_to_probs(model(ids, positions, cache), self.params)  # [B, G + 1, V]
+        t2 = time.perf_counter()
+        n, nxt = rejection_sample(p, q, draft, self.generator)
+        n_cpu = torch.where(active, n.cpu(), torch.zeros_like(n.cpu()))
+        # keep last + the accepted drafts; frozen rows keep exactly what they had
+        cache.truncate(torch.where(active, L + 1 + n_cpu, L))
+        self.drafter.commit(n_cpu, nxt, active)
+        self._stats.record(n_cpu, active, G, overlap(p[:, :G], q))
+        out = [draft[b, : n_cpu[b]].tolist() + [int(nxt[b])] for b in range(B)]
+        self._adapt(n_cpu, active)
+        t3 = time.perf_counter()
+        s = self._stats
+        s.draft_s, s.verify_s, s.other_s = s.draft_s + t1 - t0, s.verify_s + t2 - t1, s.other_s + t3 - t2
+        s.draft_steps += G
+        return out
+
+    def _adapt(self, n: torch.Tensor, active: torch.Tensor) -> None:
+        if not self.adaptive or not bool(active.any()):
+            return
+        frac = (n[active].float() / self.gamma).mean().item()
+        if frac == 1.0:
+            self.gamma = min(self.gamma + 1, self.gamma_max)
+        elif frac < 0.5:
+            self.gamma = max(self.gamma - 1, self.gamma_min)

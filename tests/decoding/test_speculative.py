@@ -1,0 +1,209 @@
+"""Speculative decoding: lossless greedy for every drafter, draft = target accepts all,
+rejection sampling reproduces the target distribution, ragged batches, bad setups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from decoding import generate, greedy
+from decoding.decoders import SamplingDecoder
+from decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
+from decoding.sampling import SamplingParams, logits_to_probs
+from decoding.speculative import SpeculativeDecoder, leviathan_speedup, overlap, rejection_sample
+from models.errors import SetupError
+from models.loading import random_model
+from tests.conftest import TINY, cache_for, random_ids
+
+
+def drafters(lm):
+    other = random_model(lm.cfg, seed=11, device="cpu").model  # same shapes, other weights
+    return {
+        "self": ModelDrafter(lm.model, name="self"),
+        "other-model": ModelDrafter(other, name="other"),
+        "early-exit": ModelDrafter(EarlyExit(lm.model, 1), name="early-exit"),
+        "prompt-lookup": PromptLookupDrafter(max_ngram=3),
+    }
+
+
+def repetitive_prompt(n: int = 24) -> list[int]:
+    base = random_ids(6, seed=21)
+    return (base * (n // 6 + 1))[:n]
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_speculative_is_token_identical(tiny, gamma):
+    m = tiny.model
+    prompts = [repetitive_prompt(), random_ids(9, m.cfg.vocab_size, seed=2)]
+    plain = generate(m, cache_for(m, 2, 100), greedy(), prompts, 24)
+    for name, d in drafters(tiny).items():
+        spec = SpeculativeDecoder(d, gamma=gamma)
+        r = generate(m, cache_for(m, 2, 100), spec, prompts, 24)
+        assert r.tokens == plain.tokens, f"{tiny.name} / {name}"
+        assert all(len(t) == 24 for t in r.tokens)
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_llama):
+    m = tiny_llama.model
+    r = generate(m, cache_for(m, 1, 80), SpeculativeDecoder(ModelDrafter(m), gamma=4), [random_ids(7)], 40)
+    s = r.stats
+    assert s["acceptance_rate"] == 1.0 and s["acceptance_per_position"] == [1.0] * 4
+    # every target call but possibly the last (cut by max_new_tokens) yields gamma + 1 tokens
+    assert s["tokens_per_target_call"] == pytest.approx(5.0)
+    assert s["alpha"] == pytest.approx(1.0)
+
+
+def test_adaptive_gamma_grows_when_all_accepted(tiny_llama):
+    m = tiny_llama.model
+    spec = SpeculativeDecoder(ModelDrafter(m), gamma=2, adaptive=True, gamma_max=6)
+    r = generate(m, cache_for(m, 1, 120), spec, [random_ids(7)], 60)
+    assert spec.gamma == 6 and r.stats["mean_gamma"] > 2
+
+
+def test_eos_inside_an_accepted_block_and_max_new_tokens(tiny_llama):
+    m = tiny_llama.model
+    ids = random_ids(8, seed=4)
+    plain = generate(m, cache_for(m, 1, 60), greedy(), [ids], 20)
+    eos = plain.tokens[0][6]
+    spec = SpeculativeDecoder(ModelDrafter(m), gamma=4)
+    r = generate(m, cache_for(m, 1, 60), spec, [ids], 20, eos_ids=[eos])
+    assert r.tokens[0] == plain.tokens[0][: plain.tokens[0].index(eos) + 1] and r.finish_reasons == ["eos"]
+    r = generate(m, cache_for(m, 1, 60), SpeculativeDecoder(ModelDrafter(m), gamma=4), [ids], 7)
+    assert r.tokens[0] == plain.tokens[0][:7]
+
+
+def test_batch_rows_get_what_they_get_alone(tiny_gemma):
+    m = tiny_gemma.model
+    prompts = [random_ids(n, seed=n) for n in (5, 30, 17)]
+    d = lambda: ModelDrafter(EarlyExit(m, 2))  # noqa: E731
+    batch = generate(m, cache_for(m, 3, 100), SpeculativeDecoder(d(), gamma=3, temperature=0.9, seed=1), prompts, 16)
+    assert all(len(t) == 16 for t in batch.tokens)
+    for b, p in enumerate(prompts):
+        alone = generate(m, cache_for(m, 1, 100), SpeculativeDecoder(d(), gamma=3), [p], 16)
+        plain = generate(m, cache_for(m, 1, 100), greedy(), [p], 16)
+        assert alone.tokens[0] == plain.tokens[0]
+    greedy_batch = generate(m, cache_for(m, 3, 100), SpeculativeDecoder(d(), gamma=3), prompts, 16)
+    for b, p in enumerate(prompts):
+        assert greedy_batch.tokens[b] == generate(m, cache_for(m, 1, 100), greedy(), [p], 16).tokens[0]
+
+
+def test_same_seed_same_output(tiny_llama):
+    m = tiny_llama.model
+    run = lambda seed: generate(m, cache_for(m, 1, 80), SpeculativeDecoder(  # noqa: E731
+        ModelDrafter(EarlyExit(m, 1)), gamma=3, temperature=1.0, seed=seed), [random_ids(6)], 30).tokens
+    assert run(5) == run(5) and run(5) != run(6)
+
+
+# -- the rejection sampler reproduces the target distribution ---------------------------
+def chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness-of-fit p-value of counts against probs (support of probs)."""
+    keep = probs > 0
+    c, pr = counts[keep].double(), probs[keep].double()
+    return stats.chisquare(c, pr / pr.sum() * c.sum()).pvalue
+
+
+def _tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+def test_rejection_sampler_matches_target_distribution():
+    """V = 10, 200k draws: chi-square against p at significance 0.001 passes; random
+    alternatives are rejected; total variation shrinks with the sample count."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 10, 200_000
+    p = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
+    draft = torch.multinomial(q.expand(N, -1), 1, replacement=True, generator=g)  # [N, 1]
+    P = p.expand(N, 2, V).contiguous()  # position 0 verifies, position 1 is the bonus
+    n, nxt = rejection_sample(P, q.expand(N, 1, V).contiguous(), draft, g)
+    first = torch.where(n == 1, draft[:, 0], nxt)  # the token emitted at the first position
+    counts = torch.bincount(first, minlength=V).double()
+    assert chi2_p(counts, p) > 1e-3
+    for seed in range(5):
+        alt = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(100 + seed)), -1).double()
+        assert chi2_p(counts, alt) < 1e-3
+    tv_small = _tv(torch.bincount(first[:2000], minlength=V).double(), p)
+    assert _tv(counts, p) < tv_small and _tv(counts, p) < 0.01
+    # acceptance rate equals sum_x min(p, q)
+    assert n.float().mean().item() == pytest.approx(overlap(p, q).item(), abs=0.01)
+
+
+def test_rejection_sampler_greedy_is_exact():
+    p = torch.nn.functional.one_hot(torch.tensor([[3, 1, 4]]), 6).float()  # target argmaxes
+    q = torch.nn.functional.one_hot(torch.tensor([[3, 2]]), 6).float()
+    n, nxt = rejection_sample(p, q, torch.tensor([[3, 2]]))
+    assert n.tolist() == [1] and nxt.tolist() == [1]
+
+
+def test_speculative_sampling_matches_plain_sampling_distribution():
+    """Tiny model at temperature 1: the distribution of the 2nd and 3rd generated tokens
+    from speculative decoding (draft: another model) matches plain sampling's exact
+    distribution (computed from the model) by chi-square at 0.001."""
+    cfg = dict(TINY["llama"], vocab_size=8)
+    target = random_model(cfg, seed=0, device="cpu").model
+    draft = random_model(cfg, seed=5, device="cpu").model
+    with torch.no_grad():  # sharpen both, differently, so that p and q really differ
+        target.embed.weight.mul_(8)
+        draft.embed.weight.mul_(-8)
+    prompt = [1, 2, 3]
+    N = 3000
+    spec = SpeculativeDecoder(ModelDrafter(draft), gamma=2, temperature=1.0, seed=0)
+    r = generate(target, cache_for(target, N, 10), spec, [prompt] * N, 3)
+    first, second = torch.tensor([t[0] for t in r.tokens]), torch.tensor([t[1] for t in r.tokens])
+    with torch.inference_mode():  # exact P(x1) and P(x2 | x1) from the model
+        p1 = logits_to_probs(target(torch.tensor([prompt]), torch.arange(3)[None], cache_for(target, 1, 3))[:, -1],
+                             SamplingParams(1.0))[0]
+        counts = torch.bincount(first, minlength=8).double()
+        assert (counts[p1 == 0] == 0).all() and chi2_p(counts, p1) > 1e-3
+        x1 = int(torch.bincount(first).argmax())
+        seq = prompt + [x1]
+        p2 = logits_to_probs(target(torch.tensor([seq]), torch.arange(4)[None], cache_for(target, 1, 4))[:, -1],
+                             SamplingParams(1.0))[0]
+        sel = second[first == x1]
+        c2 = torch.bincount(sel, minlength=8).double()
+        assert chi2_p(c2, p2) > 1e-3
+    assert 0 < r.stats["acceptance_rate"] < 1
+
+
+def test_leviathan_formula():
+    assert leviathan_speedup(1.0, 4, 0.0) == 5.0
+    assert leviathan_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert leviathan_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / 0.2 / 1.4)
+
+
+# -- bad setups ---------------------------------------------------------------------------
+def test_bad_setups_are_refused_before_any_forward(tiny_llama):
+    m = tiny_llama.model
+    with pytest.raises(SetupError, match="gamma"):
+        SpeculativeDecoder(ModelDrafter(m), gamma=0)
+    small = random_model(dict(TINY["llama"], vocab_size=128), device="cpu").model
+    with pytest.raises(SetupError, match="vocabulary"):
+        generate(m, cache_for(m, 1, 40), SpeculativeDecoder(ModelDrafter(small), gamma=2), [[1, 2]], 4)
+    with pytest.raises(SetupError, match="min_ngram"):
+        generate(m, cache_for(m, 1, 40), SpeculativeDecoder(PromptLookupDrafter(max_ngram=2, min_ngram=0)), [[1]], 4)
+
+
+def test_cache_with_too_little_rollback_is_refused(tiny_llama):
+    from cache.dense import DenseCache
+
+    class ShortRollback(DenseCache):
+        rollback_limit = 2
+
+    m = tiny_llama.model
+    with pytest.raises(SetupError, match="roll back 2 tokens but gamma 4"):
+        generate(m, cache_for(m, 1, 40, ShortRollback), SpeculativeDecoder(ModelDrafter(m), gamma=4), [[1, 2]], 4)
+
+
+def test_tokenizer_mismatch_is_refused(tiny_llama):
+    class Tok:
+        def __init__(self, v):
+            self.v = v
+
+        def vocab(self):
+            return self.v
+
+    m = tiny_llama.model
+    d = ModelDrafter(m, tokenizer=Tok({"a": 0, "b": 1}), target_tokenizer=Tok({"a": 1, "b": 0}))
+    with pytest.raises(SetupError, match="other ids"):
+        generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d), [[1, 2]], 4)
