@@ -44,7 +44,7 @@ class SamplingDecoder:
         """First tokens [B] from the last prompt logits [B, V]."""
         return choose(logits, self.params, self.generator)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None) -> list[list[int]]:
         """Feed last [B] at each row's next position; one new token per row."""
         positions = cache.lengths[:, None].to(model.device)  # [B, 1]

@@ -69,7 +69,7 @@ class ModelDrafter:
         prefill(self.model, self.cache, prompts)
         self.pending = [[] for _ in prompts]  # accepted tokens the draft has not fed yet
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
         """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
         feeds = [p + [int(t)] for p, t in zip(self.pending, last.tolist())]
@@ -159,3 +159,34 @@ class PromptLookupDrafter:
                 h.extend(self._draft[b, : int(n[b])].tolist())
             else:
                 h.pop()  # frozen row: `last` comes again next round
+
+
+# -- builders used by conf/draft/*.yaml (`target` is the target's LoadedModel) ----------
+def early_exit(target, layers: int, cache=DenseCache) -> ModelDrafter:
+    """Truncated self-draft: the target's first `layers` layers + final norm + head."""
+    from models.errors import SetupError
+
+    n = target.model.cfg.n_layers
+    if not isinstance(layers, int) or not 1 <= layers < n:
+        raise SetupError(f"early-exit draft layers must be in [1, {n - 1}] for this {n}-layer target, got {layers}")
+    return ModelDrafter(EarlyExit(target.model, layers), cache, name=f"early-exit-{layers}")
+
+
+def quantized_self(target, weights: str = "int8", cache=DenseCache) -> ModelDrafter:
+    """The target with optimum-quanto weight-only int8/int4 weights as its own draft."""
+    from models.quantize import quantize_weights
+
+    return ModelDrafter(quantize_weights(target.model, weights), cache, name=f"self-{weights}")
+
+
+def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=None) -> PromptLookupDrafter:
+    return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+def draft_model(target, model: dict, cache=DenseCache) -> ModelDrafter:
+    """Another checkpoint as the draft (a conf/model spec); its tokenizer must be the target's."""
+    from models.loading import instantiate_unwrapped
+
+    lm = instantiate_unwrapped(model)
+    tok = lambda m: m.tokenizer if (m.tokenizer_dir or m.tokenizer_from) else None  # noqa: E731
+    return ModelDrafter(lm.model, cache, tokenizer=tok(lm), target_tokenizer=tok(target), name=lm.name)

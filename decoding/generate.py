@@ -143,7 +143,7 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
              eos_ids=(), stop=(), tokenizer=None, on_token: TokenCallback | None = None,
              prefill_chunk: int | None = None, t_start: float | None = None,

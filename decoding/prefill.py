@@ -14,7 +14,7 @@ def pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.T
     return ids.to(device), lengths
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = None) -> torch.Tensor:
     """Run the prompts [B][n_b] through the model after what each row already holds
     (`cache.lengths`); return the logits [B, V] of each row's last prompt position.

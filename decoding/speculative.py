@@ -145,7 +145,7 @@ class SpeculativeDecoder:
 
         return choose(logits, self.params, self.generator)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None) -> list[list[int]]:
         """One draft-and-verify round; rows in `done` are frozen (their caches do not grow)."""
         t0 = time.perf_counter()

@@ -50,7 +50,7 @@ def run_hf(hf, ids: list[int], new_tokens: int) -> dict:
     x = torch.tensor([ids], device=hf.device)
     t0 = time.perf_counter()
     s = _TimingStreamer(t0)
-    with torch.inference_mode():
+    with torch.no_grad():
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           do_sample=False, streamer=s, pad_token_id=0)
     return _timing(s.times, out[0, len(ids):].tolist())

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from decoding.generate import generate
 from decoding.text import make_cache
+from experiments import setup
 from experiments.common import run_conditions
 from models.errors import SetupError
 from models.loading import CONF_DIR, instantiate_unwrapped
@@ -67,30 +68,29 @@ def report(result, out=None) -> None:
           f"(2 x layers x kv_heads x tokens x head_dim x bytes), allocated {s['kv_bytes_allocated']:,} B", file=out)
 
 
-def build_decoder(cfg: DictConfig, text: str):
-    """The decoder, after checking the request; every problem of both is raised together."""
-    reasons, decoder = [], None
-    for check in (lambda: check_request(cfg, text), lambda: instantiate_unwrapped(cfg.decoder)):
+def check_all(cfg: DictConfig, text: str) -> None:
+    """The request and the setup, every problem raised together, before weights load."""
+    reasons = []
+    for check in (lambda: check_request(cfg, text), lambda: setup.check(cfg)):
         try:
-            decoder = check() or decoder
+            check()
         except SetupError as e:
             reasons += e.reasons
     if reasons:
         raise SetupError(reasons)
-    return decoder
 
 
 def run(cfg: DictConfig):
     text = read_prompt(cfg)
-    decoder = build_decoder(cfg, text)  # before any weights load
-    log.info("decoder: %s", decoder)
+    check_all(cfg, text)  # before any weights load
     lm = instantiate_unwrapped(cfg.model)
     log.info("model: %s (%s, %s)", lm.name, lm.model.dtype, lm.model.device)
+    factory, decoder = setup.build(cfg, lm)
     tok = lm.tokenizer
     t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
     ids = tok.encode(text, chat=cfg.chat_template, system=cfg.system)
     tokenize_s = time.perf_counter() - t0
-    cache = make_cache(lm.model, 1, len(ids) + cfg.max_new_tokens + decoder.lookahead, instantiate_unwrapped(cfg.cache))
+    cache = make_cache(lm.model, 1, len(ids) + cfg.max_new_tokens + decoder.lookahead, factory)
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
     stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream else None
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
@@ -99,6 +99,8 @@ def run(cfg: DictConfig):
     if not cfg.stream:
         print(result.text[0], end="")
     report(result)
+    if result.stats:
+        log.info("decoder statistics: %s", result.stats)
     log.info("conditions: %s", run_conditions(lm.model))
     return result
 

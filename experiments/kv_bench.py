@@ -34,7 +34,7 @@ def backend(name: str, **options):
 
 
 # -- teacher forcing ------------------------------------------------------------------
-@torch.inference_mode()
+@torch.no_grad()
 def ours_forced(model, factory, prompt: list[int], ref: list[int]) -> torch.Tensor:
     """Logits [N, V] predicting ref[0..N-1]: prefill the prompt, then feed the reference
     one token at a time through the cache (as decoding would)."""
@@ -46,7 +46,7 @@ def ours_forced(model, factory, prompt: list[int], ref: list[int]) -> torch.Tens
     return torch.stack(out).float()
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def hf_forced(hf, prompt: list[int], ref: list[int], **qkw) -> torch.Tensor:
     """The same through transformers' QuantizedCache(backend="quanto")."""
     from transformers import QuantizedCache
@@ -93,7 +93,7 @@ def quality(cfg, lm, hf) -> list[dict]:
 
 
 # -- decode speed ---------------------------------------------------------------------
-@torch.inference_mode()
+@torch.no_grad()
 def ours_itl(model, factory, prompt: list[int], steps: int) -> tuple[float, int]:
     """Median decode-step time (s) after a prompt, and the cache's allocated bytes."""
     cache = make_cache(model, 1, len(prompt) + steps + 1, factory)
@@ -108,7 +108,7 @@ def ours_itl(model, factory, prompt: list[int], steps: int) -> tuple[float, int]
     return statistics.median(times), cache.nbytes()
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def hf_itl(hf, prompt: list[int], steps: int, **qkw) -> tuple[float, int]:
     from transformers import QuantizedCache
 

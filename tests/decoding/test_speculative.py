@@ -207,3 +207,22 @@ def test_tokenizer_mismatch_is_refused(tiny_llama):
     d = ModelDrafter(m, tokenizer=Tok({"a": 0, "b": 1}), target_tokenizer=Tok({"a": 1, "b": 0}))
     with pytest.raises(SetupError, match="other ids"):
         generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d), [[1, 2]], 4)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_self_draft_is_lossless(tiny_llama, weights):
+    from decoding.drafters import quantized_self
+
+    m = tiny_llama.model
+    prompts = [random_ids(10, seed=8)]
+    plain = generate(m, cache_for(m, 1, 60), greedy(), prompts, 12)
+    r = generate(m, cache_for(m, 1, 60), SpeculativeDecoder(quantized_self(tiny_llama, weights), gamma=3), prompts, 12)
+    assert r.tokens == plain.tokens
+    assert r.stats["acceptance_rate"] > 0.5  # a quantized copy mostly agrees with its source
+
+
+def test_early_exit_layers_are_checked(tiny_llama):
+    from decoding.drafters import early_exit
+
+    with pytest.raises(SetupError, match=r"\[1, 1\]"):
+        early_exit(tiny_llama, layers=2)
