@@ -1,0 +1,410 @@
+"""`paged`: a block pool per layer, per-row block tables, a free list, prefix sharing.
+
+Position p of row b lives in block `table[b, p // block_size]` at offset
+`p % block_size`; one block id names the same slot range in every layer's pool. Blocks
+are allocated in `prepare` for valid (non-padding) positions only, and go back to the
+free list when a row is truncated below them or reset. A freed block keeps its prefix
+hash, so a later prompt that starts with the same full blocks maps them instead of
+recomputing them, until the free list hands the block out again (least recently freed
+first). A block shared by several rows is copied before it is written (copy-on-write).
+
+Attention is a pure-torch reference: `prepare` builds, once per forward, the flat pool
+indices that each layer writes; the first layer of each window plans what that window can
+see, and every later layer of that window reuses the plan: gather those blocks into
+contiguous [B, Hkv, S, D] keys and values, or, for one row whose visible blocks are
+consecutive in the pool (the allocator prefers the block after a row's last one), read
+them as a strided view with no copy, as dense does. For that view each layer's pool is
+stored heads-major, [Hkv, N, bs, D], and exposed as the [N, Hkv, bs, D] block view.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from models.errors import SetupError, raise_if
+
+
+class BlockAllocator:
+    """Free list (least recently freed first), reference counts and prefix hashes of a
+    pool of `n` blocks. No tensors: pure bookkeeping."""
+
+    def __init__(self, n: int):
+        self.refs = [0] * n  # rows (table entries) that map each block
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))
+        self.by_hash: dict[int, int] = {}  # prefix chain hash -> block
+        self.hash_of: dict[int, int] = {}  # block -> its prefix chain hash
+
+    @property
+    def in_use(self) -> int:
+        return len(self.refs) - len(self.free)
+
+    def take(self, prefer: int = -1) -> int:
+        """A fresh block (refcount 1): `prefer` when it is free and caches no prefix, else
+        the least recently freed one (a cached prefix it held is forgotten)."""
+        if prefer in self.free and prefer not in self.hash_of:
+            del self.free[prefer]
+            self.refs[prefer] = 1
+            return prefer
+        blk, _ = self.free.popitem(last=False)
+        self.forget(blk)
+        self.refs[blk] = 1
+        return blk
+
+    def retain(self, blk: int) -> None:
+        """One more table entry maps `blk` (revived from the free list if it was there)."""
+        if self.refs[blk] == 0:
+            del self.free[blk]
+        self.refs[blk] += 1
+
+    def release(self, blk: int) -> None:
+        """One table entry fewer; at zero the block is free but keeps its hash."""
+        self.refs[blk] -= 1
+        if self.refs[blk] == 0:
+            self.free[blk] = None
+
+    def forget(self, blk: int) -> None:
+        """Drop the block's prefix hash (its content is about to change)."""
+        h = self.hash_of.pop(blk, None)
+        if h is not None:
+            del self.by_hash[h]
+
+    def register(self, h: int, blk: int) -> None:
+        """Offer `blk` as the block of prefix hash `h` (the first one offered wins)."""
+        if h not in self.by_hash and blk not in self.hash_of:
+            self.by_hash[h], self.hash_of[blk] = blk, h
+
+
+def chain_hashes(prompt: list[int], block_size: int) -> list[int]:
+    """One hash per full block of the prompt: hash(parent hash, the block's token ids)."""
+    hashes, h = [], 0
+    for s in range(0, len(prompt) - block_size + 1, block_size):
+        h = hash((h, tuple(int(t) for t in prompt[s:s + block_size])))
+        hashes.append(h)
+    return hashes
+
+
+def waste_report(lengths: list[int], block_size: int = 16, bytes_per_token: int = 1) -> dict:
+    """Slots allocated but unused for sequences of `lengths` tokens: paged (each row
+    rounded up to whole blocks) against dense preallocation to the longest length."""
+    tokens = sum(lengths)
+    paged = sum(math.ceil(n / block_size) * block_size for n in lengths)
+    dense = len(lengths) * max(lengths)
+    return {"tokens": tokens, "paged_bytes": paged * bytes_per_token, "dense_bytes": dense * bytes_per_token,
+            "paged_waste_fraction": (paged - tokens) / paged, "dense_waste_fraction": (dense - tokens) / dense}
+
+
+@dataclass
+class _Reads:
+    """What one window reads in the current forward (memoized per window)."""
+
+    gather: torch.Tensor | None  # [B * Hkv * S] rows of the flat pool [Hkv * N * bs, D], or
+    run: tuple[int, int, int] | None  # (B == 1) first block, consecutive blocks, offset of slot 0
+    keys: int  # S key slots per row
+    mask: torch.Tensor | None  # [B, 1, T, S] True = attend; None = all
+    causal: bool  # keys are exactly this forward's tokens, square lower triangle
+
+
+class PagedCache(KVCache):
+    """Block-pool KV cache with prefix sharing and copy-on-write."""
+
+    def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
+                 num_blocks: int | None = None, memory_budget_mb: float | None = None,
+                 prefix_caching: bool = True):
+        reasons = []
+        try:
+            super().__init__(layout, batch_size, capacity)
+        except SetupError as e:
+            reasons += e.reasons
+        self.block_size = block_size
+        self.block_bytes = layout.bytes_per_token() * block_size  # K and V of one block, all layers
+        n, more = self._pool_size(batch_size, capacity, num_blocks, memory_budget_mb)
+        raise_if(reasons + more)
+        self.num_blocks, self.prefix_caching = n, prefix_caching
+        shape = (layout.n_kv_heads, n, block_size, layout.head_dim)
+        kw = dict(dtype=layout.dtype, device=layout.device)
+        self._kh = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [Hkv, N, bs, D] storage
+        self._vh = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
+        self.k = [t.transpose(0, 1) for t in self._kh]  # [N, Hkv, bs, D] block views
+        self.v = [t.transpose(0, 1) for t in self._vh]
+        self._kflat = [t.view(-1, layout.head_dim) for t in self._kh]  # [Hkv * N * bs, D]
+        self._vflat = [t.view(-1, layout.head_dim) for t in self._vh]
+        self.table = torch.full((batch_size, math.ceil(capacity / block_size)), -1, dtype=torch.long)  # [B, M]
+        self.alloc = BlockAllocator(n)
+        self.prefix_reused_tokens = 0
+
+    def _pool_size(self, batch_size: int, capacity: int, num_blocks: int | None,
+                   budget_mb: float | None) -> tuple[int, list[str]]:
+        """Blocks in the pool (given, from the budget, or one full row per batch row), and
+        every reason that sizing cannot work."""
+        bs, p = self.block_size, []
+        if num_blocks is not None and budget_mb is not None:
+            p.append(f"give num_blocks ({num_blocks}) or memory_budget_mb ({budget_mb}), not both")
+        if bs < 1:
+            return 0, p + [f"block_size must be >= 1 token, got {bs}"]
+        row = math.ceil(max(capacity, 1) / bs)  # blocks one row of `capacity` tokens needs
+        if num_blocks is None and budget_mb is not None:
+            num_blocks = int(budget_mb * 2**20 // self.block_bytes)  # MiB
+        if num_blocks is None:
+            num_blocks = max(batch_size, 1) * row
+        if num_blocks < 1:
+            p.append(f"num_blocks must be >= 1, got {num_blocks} (a block is {self.block_bytes} bytes)")
+        elif num_blocks < row:
+            p.append(f"a pool of {num_blocks} blocks x {bs} tokens cannot hold one row of capacity {capacity} "
+                     f"({row} blocks, {row * self.block_bytes} bytes); raise num_blocks / memory_budget_mb "
+                     "or lower the capacity")
+        return num_blocks, p
+
+    # -- called by the model -------------------------------------------------------
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Start a forward: give every valid position a private block slot (allocated,
+        or copied where shared) and build this forward's write indices. Raises
+        SetupError, with nothing changed, when the pool cannot supply the blocks."""
+        before = self.lengths
+        super().prepare(positions, valid)
+        try:
+            self._claim(*self._targets())
+        except SetupError:
+            self.lengths = before
+            raise
+        self._write_index()
+
+    def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [K] and block indices [K] that this forward's valid positions write."""
+        M = self.table.shape[1]
+        flat = torch.arange(self.batch_size)[:, None] * M + self._qpos // self.block_size  # [B, T]
+        keys = flat[self._valid].unique()  # [K]
+        return keys // M, keys % M
+
+    def _claim(self, rows: torch.Tensor, idx: torch.Tensor) -> None:
+        """Make each (row, block index) target [K] a block that row alone maps: allocate
+        where there is none, copy where it is shared. Raises, changing nothing, when the
+        free list is too short."""
+        blocks = self.table[rows, idx].tolist()
+        need = self._blocks_needed(blocks)
+        if need > len(self.alloc.free):
+            raise SetupError(self._exhausted(need))
+        new: dict[tuple[int, int], int] = {}
+        copies = []
+        for (b, i), blk in zip(zip(rows.tolist(), idx.tolist()), blocks):
+            if blk >= 0 and self.alloc.refs[blk] == 1:  # the row's own block: its content changes,
+                self.alloc.forget(blk)  # so the prefix hash it may carry no longer holds
+                new[b, i] = blk
+                continue
+            prev = new[b, i - 1] if (b, i - 1) in new else (int(self.table[b, i - 1]) if i else -1)
+            new[b, i] = self.alloc.take(prev + 1 if prev >= 0 else -1)  # keep rows consecutive
+            if blk >= 0:  # copy-on-write: the other sharers keep `blk`
+                copies.append((blk, new[b, i]))
+                self.alloc.release(blk)
+        self.table[rows, idx] = torch.tensor(list(new.values()), dtype=torch.long)
+        if copies:
+            self._copy_blocks(*zip(*copies))
+
+    def _blocks_needed(self, blocks: list[int]) -> int:
+        """Fresh blocks that claiming `blocks` takes (the last sharer of a block keeps it)."""
+        need, copied = 0, {}
+        for blk in blocks:
+            if blk < 0:
+                need += 1
+            elif self.alloc.refs[blk] - copied.get(blk, 0) > 1:
+                need += 1
+                copied[blk] = copied.get(blk, 0) + 1
+        return need
+
+    def _exhausted(self, need: int) -> str:
+        """Why the pool cannot serve this forward, with the numbers and the fixes."""
+        a = self.alloc
+        return (f"the paged KV pool is exhausted: this forward needs {need} new blocks of {self.block_size} "
+                f"tokens but only {len(a.free)} of {self.num_blocks} are free ({a.in_use} in use, "
+                f"{self.block_bytes} bytes each); build the cache with more num_blocks or a larger "
+                f"memory_budget_mb, or run a smaller batch / shorter sequences")
+
+    def _copy_blocks(self, src: tuple[int, ...], dst: tuple[int, ...]) -> None:
+        """Copy blocks src -> dst in every layer's K and V pool."""
+        s = torch.tensor(src, device=self.layout.device)
+        d = torch.tensor(dst, device=self.layout.device)
+        for pool in self.k + self.v:
+            pool.index_copy_(0, d, pool.index_select(0, s))
+
+    def _flat_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of the flat pool [Hkv * N * bs, D] for (block, offset) pairs [B, X]:
+        (h * N + blk) * bs + off, heads inserted as dim 1 -> [B, Hkv, X]."""
+        h = torch.arange(self.layout.n_kv_heads)[None, :, None]  # [1, Hkv, 1]
+        return (h * self.num_blocks + blocks[:, None]) * self.block_size + offsets[:, None]
+
+    def _write_index(self) -> None:
+        """Destination rows of the flat pool for every valid (b, t, head), in k.transpose(1, 2)'s
+        [B, T, Hkv] order, and the source rows to pick when some positions are padding."""
+        pos, ok = self._qpos, self._valid  # [B, T]
+        blocks = self.table.gather(1, pos // self.block_size).clamp(min=0)  # [B, T]
+        dst = self._flat_rows(blocks, pos % self.block_size).transpose(1, 2)  # [B, T, Hkv]
+        dev = self.layout.device
+        if bool(ok.all()):
+            self._wdst, self._wsrc = dst.reshape(-1).to(dev), None
+        else:
+            src = torch.arange(dst.numel()).view(dst.shape)  # [B, T, Hkv]
+            self._wdst, self._wsrc = dst[ok].reshape(-1).to(dev), src[ok].reshape(-1).to(dev)
+
+    def _reads(self, window: int | None) -> _Reads:
+        """What the window reads this forward (memoized per window): per row, the key
+        slots from its first visible position to its last valid query; slots that hold
+        nothing get position -1 in the mask."""
+        if window not in self._masks:
+            q, ok = self._qpos, self._valid  # [B, T]
+            lo, hi = self._visible(window)
+            S = int((hi - lo).max()) + 1
+            kpos = lo[:, None] + torch.arange(S)  # [B, S]
+            blocks = self.table.gather(1, kpos.clamp(max=self.capacity - 1) // self.block_size)  # [B, S]
+            held = (kpos <= hi[:, None]) & (blocks >= 0)
+            kpos = torch.where(held, kpos, -1)
+            run = self._run(lo, hi) if bool(ok.all()) else None
+            gather = None
+            if run is None:
+                offsets = torch.where(held, kpos % self.block_size, 0)
+                gather = self._flat_rows(torch.where(held, blocks, 0), offsets).reshape(-1).to(self.layout.device)
+            causal = bool(ok.all()) and is_plain_causal(q, kpos, window)
+            mask = None if causal else self._mask(q, kpos, window, ok)
+            self._masks[window] = _Reads(gather, run, S, mask, causal)
+        return self._masks[window]
+
+    def _visible(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row [B], the first position the window shows any valid query and the last
+        valid query (a row with none: what it holds)."""
+        q, ok = self._qpos, self._valid  # [B, T]
+        hi = torch.where(ok, q, -1).max(1).values  # [B]
+        first = torch.where(ok, q, self.capacity).min(1).values
+        empty = hi < 0
+        hi = torch.where(empty, (self.lengths - 1).clamp(min=0), hi)
+        first = torch.where(empty, hi, first)
+        lo = torch.zeros_like(hi) if window is None else (first - window + 1).clamp(min=0)
+        return lo, hi
+
+    def _run(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, int] | None:
+        """For one row whose visible blocks are consecutive pool blocks: (first block,
+        blocks, offset of lo in the first), to read as a view; else None."""
+        if self.batch_size != 1:
+            return None
+        first, last = int(lo[0]) // self.block_size, int(hi[0]) // self.block_size
+        ids = self.table[0, first:last + 1]  # [nb]
+        if int(ids[0]) < 0 or not bool((ids[1:] - ids[:-1] == 1).all()):
+            return None
+        return int(ids[0]), last - first + 1, int(lo[0]) % self.block_size
+
+    def _mask(self, q: torch.Tensor, kpos: torch.Tensor, window: int | None, ok: torch.Tensor):
+        """attention_mask on real key positions; padding queries attend to every gathered
+        slot (their outputs are never used; this keeps them finite)."""
+        mask = attention_mask(q, kpos, window)  # [B, 1, T, S] or None
+        if mask is not None and not bool(ok.all()):
+            mask = mask | ~ok[:, None, :, None]
+            mask = None if bool(mask.all()) else mask
+        return None if mask is None else mask.to(self.layout.device)
+
+    def attend(self, layer, q, k, v, positions):
+        """Write the valid new k, v [B, Hkv, T, D] into the rows' blocks, then attend q
+        [B, Hq, T, D] over the gathered keys of the layer's window."""
+        D = self.layout.head_dim
+        for flat, new in ((self._kflat[layer], k), (self._vflat[layer], v)):
+            src = new.transpose(1, 2).reshape(-1, D)  # [B * T * Hkv, D]
+            if self._wsrc is not None:
+                src = src.index_select(0, self._wsrc)
+            flat.index_copy_(0, self._wdst, src)
+        r = self._reads(self.layout.windows[layer])
+        scale, cap = self.layout.softmax_scale, self.layout.softcap
+        if r.causal:  # the keys are exactly the new tokens
+            return reference_attention(q, k, v, None, scale, cap, causal=True)
+        return reference_attention(q, *self._keys(layer, r), r.mask, scale, cap)
+
+    def _keys(self, layer: int, r: _Reads) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, S, D] the window reads: a view of consecutive blocks
+        (one row), or a gather of each row's slots."""
+        Hkv, D = self.layout.n_kv_heads, self.layout.head_dim
+        if r.gather is None:
+            a, nb, off = r.run  # [Hkv, nb, bs, D] -> [1, Hkv, S, D] without a copy
+            return tuple(t[:, a:a + nb].reshape(Hkv, -1, D)[None, :, off:off + r.keys]
+                         for t in (self._kh[layer], self._vh[layer]))
+        shape = (self.batch_size, Hkv, r.keys, D)
+        return (self._kflat[layer].index_select(0, r.gather).view(shape),
+                self._vflat[layer].index_select(0, r.gather).view(shape))
+
+    def read(self, layer, row):
+        """Positions [n], k and v [Hkv, n, D] of a row, gathered from its blocks."""
+        n = int(self.lengths[row])
+        blocks = self.table[row, :math.ceil(n / self.block_size)].to(self.layout.device)  # [nb]
+        Hkv, D = self.layout.n_kv_heads, self.layout.head_dim
+        k, v = (t[:, blocks].reshape(Hkv, -1, D)[:, :n] for t in (self._kh[layer], self._vh[layer]))
+        return torch.arange(n), k, v
+
+    # -- called by prefill: prefix caching -----------------------------------------
+    def reuse_prefix(self, prompts: list[list[int]]) -> list[int]:
+        """Map each prompt's cached full blocks (chain-hash hits) into its row; returns the
+        tokens reused per row (at most len - 1: the last position is always computed)."""
+        self._free_from(torch.zeros(self.batch_size, dtype=torch.long))
+        reused = [self._map_prefix(b, p) if self.prefix_caching else 0 for b, p in enumerate(prompts)]
+        self.lengths = torch.tensor(reused, dtype=torch.long)
+        self.prefix_reused_tokens = sum(reused)
+        return reused
+
+    def _map_prefix(self, row: int, prompt: list[int]) -> int:
+        """Map the cached full blocks the prompt starts with into `row`; tokens reused."""
+        mapped = 0
+        for i, h in enumerate(chain_hashes(prompt[:self.capacity], self.block_size)):
+            blk = self.alloc.by_hash.get(h)
+            if blk is None or mapped >= len(prompt) - 1:
+                break
+            self.alloc.retain(blk)
+            self.table[row, i] = blk
+            mapped += self.block_size
+        return min(mapped, len(prompt) - 1)
+
+    def remember_prefix(self, prompts: list[list[int]]) -> None:
+        """Register the full prompt blocks of rows that hold exactly their prompt from
+        position 0 (a prefill that continued a non-empty row is not a prefix)."""
+        if not self.prefix_caching:
+            return
+        for row, prompt in enumerate(prompts):
+            if int(self.lengths[row]) != len(prompt):
+                continue
+            blocks = self.table[row].tolist()
+            for h, blk in zip(chain_hashes(prompt[:self.capacity], self.block_size), blocks):
+                if blk >= 0:
+                    self.alloc.register(h, blk)
+
+    # -- called by decoders --------------------------------------------------------
+    def truncate(self, lengths) -> None:
+        """Roll rows back; blocks wholly above a row's new length return to the free list."""
+        super().truncate(lengths)
+        self._free_from((self.lengths + self.block_size - 1) // self.block_size)
+
+    def reset(self) -> None:
+        """Forget every row; their blocks go to the free list and keep their prefix hashes."""
+        super().reset()
+        self._free_from(torch.zeros(self.batch_size, dtype=torch.long))
+        self.prefix_reused_tokens = 0
+
+    def _free_from(self, keep: torch.Tensor) -> None:
+        """Release each row's table entries from block index keep[b] [B] on."""
+        drop = (torch.arange(self.table.shape[1])[None] >= keep[:, None]) & (self.table >= 0)  # [B, M]
+        for blk in self.table[drop].tolist():
+            self.alloc.release(blk)
+        self.table[drop] = -1
+
+    def nbytes(self) -> int:
+        """The whole pool: K and V, every layer, every block (allocated up front)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def memory_report(self) -> dict:
+        """Base report plus blocks in use, their bytes, their unused share, prefix reuse."""
+        in_use, bs = self.alloc.in_use, self.block_size
+        fill = (self.lengths[:, None] - torch.arange(self.table.shape[1]) * bs).clamp(0, bs)  # [B, M]
+        held = self.table >= 0
+        used = torch.zeros(self.num_blocks, dtype=torch.long).scatter_reduce(
+            0, self.table[held], fill[held], "amax")  # [N] live slots per block (shared: the max)
+        slots = in_use * bs
+        return {**super().memory_report(), "block_size": bs, "blocks_total": self.num_blocks,
+                "blocks_in_use": in_use, "kv_bytes_in_use": in_use * self.block_bytes,
+                "waste_fraction": (slots - int(used.sum())) / slots if slots else 0.0,
+                "prefix_reused_tokens": self.prefix_reused_tokens}
