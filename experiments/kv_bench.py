@@ -60,6 +60,15 @@ def hf_forced(hf, prompt: list[int], ref: list[int], **qkw) -> torch.Tensor:
     return torch.stack(out).float()
 
 
+@torch.no_grad()
+def dense_forced(model, prompt: list[int], ref: list[int]) -> torch.Tensor:
+    """The dense reference in one pass: logits [N, V] at positions len(prompt)-1 ... ."""
+    ids = prompt + ref[:-1]
+    cache = make_cache(model, 1, len(ids), backend("dense"))
+    logits = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device)[None], cache)
+    return logits[0, len(prompt) - 1:].float()
+
+
 def agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict:
     """top-1 agreement and mean KL(ref || other) over positions."""
     lp, lq = ref_logits.log_softmax(-1), logits.log_softmax(-1)
@@ -82,7 +91,7 @@ def quality(cfg, lm, hf) -> list[dict]:
     for i, req in enumerate(reqs):
         prompt = tok.encode(req.prompt, chat=True)
         ref = tok.encode(req.reference)[: cfg.forced_tokens]
-        dense = ours_forced(lm.model, backend("dense"), prompt, ref)
+        dense = dense_forced(lm.model, prompt, ref)
         for name, fn in systems.items():
             per[name].append(agreement(dense, fn(prompt, ref)))
         print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): "

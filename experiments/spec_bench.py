@@ -3,8 +3,9 @@ over plain greedy decoding on the same prompts, alpha, tokens per target call, t
 speedup Leviathan's formula predicts, and the implementation efficiency
 (measured / predicted). Greedy speculative output is also checked token for token.
 
-    python -m experiments.spec_bench [prompts=5] [new_tokens=128] [gammas=[2,4,8]]
+    python -m experiments.spec_bench [part=speed] [prompts=5] [new_tokens=128] [gammas=[2,4,8]]
         [drafts=[prompt-lookup,early-exit]]
+    python -m experiments.spec_bench part=lossless prompts=20 new_tokens=64 gammas=[4]
 
 Speedup = sum over prompts of plain decode time / sum of speculative decode time
 (decode time: first to last generated token). Runs alternate plain and speculative
@@ -64,6 +65,45 @@ def bench_setting(lm, drafter, gamma: int, prompts: list[list[int]], cfg, plain:
             "identical_prompts": f"{identical}/{len(prompts)}"}
 
 
+def drafter_for(cfg, name: str, lm, cache=None):
+    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "draft" / f"{name}.yaml"), cfg.draft_options.get(name, {}))
+    kw = {"cache": cache} if cache is not None else {}
+    return instantiate_unwrapped(spec)(target=lm, **kw)
+
+
+def speed(cfg, lm, prompts) -> list[dict]:
+    rows, plain = [], {}
+    for name in cfg.drafts:
+        drafter = drafter_for(cfg, name, lm)
+        for gamma in cfg.gammas:
+            rows.append(bench_setting(lm, drafter, gamma, prompts, cfg, plain))
+            print_table(rows[-1:])
+    return rows
+
+
+def lossless(cfg, lm, prompts) -> list[dict]:
+    """Greedy speculative vs plain greedy, token for token, on every cache backend
+    (target and draft caches of that backend) and drafter: the share of identical prompts."""
+    from experiments.kv_bench import backend
+
+    rows = []
+    for cache_name in cfg.backends:
+        factory = backend(cache_name, **cfg.backend_options.get(cache_name, {}))
+        plain = [generate(lm.model, make_cache(lm.model, 1, len(p) + cfg.new_tokens, factory), greedy(), [p],
+                          cfg.new_tokens).tokens for p in prompts]
+        for name in cfg.drafts:
+            drafter = drafter_for(cfg, name, lm, factory)
+            same = 0
+            for p, ref in zip(prompts, plain):
+                dec = SpeculativeDecoder(drafter, gamma=cfg.gammas[0])
+                cache = make_cache(lm.model, 1, len(p) + cfg.new_tokens + dec.lookahead, factory)
+                same += generate(lm.model, cache, dec, [p], cfg.new_tokens).tokens == ref
+            rows.append({"cache": cache_name, "draft": repr(drafter), "gamma": cfg.gammas[0],
+                         "identical_prompts": same, "prompts": len(prompts)})
+            print_table(rows[-1:])
+    return rows
+
+
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="spec_bench")
 def main(cfg: DictConfig) -> None:
     if cfg.threads:
@@ -73,18 +113,12 @@ def main(cfg: DictConfig) -> None:
     reqs = sharegpt(cfg.prompts, seed=cfg.seed, tokenizer=tok, max_prompt_tokens=cfg.max_prompt_tokens)
     prompts = [tok.encode(r.prompt, chat=True) for r in reqs]
     run(lm.model, greedy(), prompts[0][:16], 4)  # warm-up
-    rows, plain = [], {}
-    for name in cfg.drafts:
-        spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "draft" / f"{name}.yaml"), cfg.draft_options.get(name, {}))
-        drafter = instantiate_unwrapped(spec)(target=lm)
-        for gamma in cfg.gammas:
-            rows.append(bench_setting(lm, drafter, gamma, prompts, cfg, plain))
-            print_table(rows[-1:])
+    rows = {"speed": speed, "lossless": lossless}[cfg.part](cfg, lm, prompts)
     print(f"model={lm.name} prompts={len(prompts)} new_tokens={cfg.new_tokens} (ShareGPT, chat template)")
     print_table(rows)
     cond = run_conditions(lm.model)
     print("conditions:", cond)
-    out = Path(cfg.out or CONF_DIR.parent / "experiments" / "results" / "spec_bench.json")
+    out = Path(cfg.out or CONF_DIR.parent / "experiments" / "results" / f"spec_bench-{cfg.part}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": OmegaConf.to_container(cfg), "rows": rows, "conditions": cond}, indent=1))
     print(f"wrote {out}")
