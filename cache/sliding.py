@@ -11,13 +11,20 @@ On a model with its own windows (Gemma 3's local layers) results are exact. On a
 model with none, the `window` option imposes one on every layer (StreamingLLM style,
 with `sinks`): an approximation, declared by `approximate` and `label`.
 
-Per forward, `prepare` decides how the ring layers attend:
+Per forward, `prepare` decides how the ring layers write:
 - write first (every token valid and each row spanning <= rollback + 1 positions:
-  decode and speculative verification): write the new K/V, then attend over the ring
-  alone, which then still holds every key the earliest query needs;
-- concat (prefill, chunks, padding): attend over concat(old ring, new K/V), then write;
-  a chunk longer than the ring would otherwise overwrite keys its early queries need.
-Padding is never written to a ring, since it would evict tokens the row still needs.
+  decode and speculative verification): write the new K/V, then read the ring alone,
+  which then still holds every key the earliest query needs;
+- read first (prefill, chunks, padding): read from the old ring and the new K/V, then
+  write; a chunk longer than the ring would otherwise overwrite keys its early queries need.
+Either way attention gets exactly the keys `dense` would: positions [lo, hi) in order
+(lo = min query - window + 1, hi = max query + 1, the first `sinks` positions before
+them), gathered from the ring and the new K/V, with dense's mask or causal fast path.
+Identical SDPA inputs make the result agree with dense bit for bit, not just to float
+rounding. Positions a row does not hold are filled with whatever finite slot they map
+to; the window masks them for every real query. Padding is never written to a ring,
+since it would evict tokens the row still needs (it is read from the new K/V, so a
+padding query sees its own key and stays finite, as in dense).
 """
 
 from __future__ import annotations
@@ -104,13 +111,26 @@ def ring_slot(pos: torch.Tensor, ring: int, sinks: int) -> torch.Tensor:
 
 @dataclass
 class RingPlan:
-    """How one ring size's layers write and read in the current forward."""
+    """How one ring size's layers write in the current forward."""
 
     rows: torch.Tensor  # [N] row of each token written (device)
     cols: torch.Tensor  # [N] its index t in the forward (device)
     slots: torch.Tensor  # [N] its slot (device)
-    kpos: torch.Tensor  # [B, S] positions of the keys attention reads, -1 = none (CPU)
-    read_ring: bool  # keys include the ring (False: concat mode over an empty ring)
+    was_empty: bool  # the ring held nothing before this forward
+
+
+@dataclass
+class RingRead:
+    """Keys one (ring, window) pair's layers read in the current forward: S keys per row,
+    in position order, taken from a source [B, Hkv, N, D] (the ring, the new K/V, or
+    their concatenation along dim 2)."""
+
+    source: str  # "ring", "new" or "both"
+    keys: int  # S
+    start: int | None  # keys are source[:, :, start:start + S] (a view), or None: gather
+    gather: torch.Tensor | None  # [B * Hkv * S] rows of the flattened source (device)
+    mask: torch.Tensor | None  # [B, 1, T, S] (device), None: all True or causal
+    causal: bool  # the square lower triangle over the new K/V (SDPA's is_causal)
 
 
 class SlidingCache(DenseCache):
@@ -172,6 +192,8 @@ class SlidingCache(DenseCache):
         span = int((pos.max(1).values - pos.min(1).values).max())
         self._write_first = bool(ok.all()) and span <= self.rollback
         self._plans = {r: self._plan(sp, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
+        pairs = {(r, w) for r, w in zip(self._rings, self._windows) if r is not None}
+        self._reads = {(r, w): self._read(r, w) for r, w in sorted(pairs)}
 
     def _refuse_rewind(self, first: torch.Tensor, before: torch.Tensor) -> None:
         """A forward may start at most `rollback` below the furthest length a row has
@@ -185,59 +207,75 @@ class SlidingCache(DenseCache):
     def _plan(self, sp: torch.Tensor, ring: int, pos, ok, first, last) -> RingPlan:
         """Update one ring's slot positions for this forward and plan its writes."""
         sp.masked_fill_(sp >= first[:, None], -1)
-        old = None if self._write_first else sp.clone()  # [B, slots] before this forward
+        was_empty = bool((sp < 0).all())
         # the last R valid tokens of each row (plus its sinks) get distinct slots
         keep = ok & ((pos < self.sink_tokens) | (pos > last[:, None] - ring))  # [B, T]
         rows, cols = keep.nonzero(as_tuple=True)  # [N] each
         slots = ring_slot(pos[rows, cols], ring, self.sink_tokens)  # [N]
         sp[rows, slots] = pos[rows, cols]
-        if self._write_first:
-            kpos, read_ring = sp.clone(), True
-        else:  # padding keys get -1: real queries never see them
-            new = torch.where(ok, pos, -1)  # [B, T]
-            read_ring = bool((old >= 0).any())
-            kpos = torch.cat([old, new], 1) if read_ring else new
         dev = self.layout.device
-        return RingPlan(rows.to(dev), cols.to(dev), slots.to(dev), kpos, read_ring)
+        return RingPlan(rows.to(dev), cols.to(dev), slots.to(dev), was_empty)
 
-    def _ring_mask(self, ring: int, window: int) -> tuple[torch.Tensor | None, bool]:
-        """Mask over a ring's keys for this forward and whether it is the plain causal
-        triangle (memoized per ring and window)."""
-        key = ("ring", ring, window)
-        if key not in self._masks:
-            plan, q = self._plans[ring], self._qpos
-            if not plan.read_ring and bool(self._valid.all()) and is_plain_causal(q, plan.kpos, window):
-                self._masks[key] = (None, True)
+    def _read(self, ring: int, window: int) -> RingRead:
+        """The keys a (ring, window) pair reads this forward: dense's span [lo, hi) (after
+        the sinks below lo), each position taken from the new K/V when this forward feeds
+        it, else from its ring slot; dense's mask, or its causal fast path."""
+        q, B, T = self._qpos, self.batch_size, self._qpos.shape[1]
+        lo, hi = max(0, int(q.min()) - window + 1), int(q.max()) + 1
+        lead = min(self.sink_tokens, lo)  # sinks below the span
+        kpos = torch.cat([torch.arange(lead), torch.arange(lo, hi)]).expand(B, -1)  # [B, S]
+        S = kpos.shape[1]
+        if is_plain_causal(q, kpos, window):  # the keys are exactly the new tokens
+            return RingRead("new", S, 0, None, None, True)
+        mask = window_mask(q, kpos, window, self.sink_tokens)
+        slots = ring_slot(kpos, ring, self.sink_tokens)  # [B, S]
+        held = self.slot_pos[ring].shape[1]  # sinks + ring slots
+        if self._write_first:  # the ring already holds the new tokens
+            source, index, n = "ring", slots, held
+        else:  # t of the new token at each key position, -1 = none
+            fed = torch.full((B, S), -1, dtype=torch.long)
+            fed.scatter_(1, q - lo + lead, torch.arange(T).expand(B, -1))
+            if self._plans[ring].was_empty:  # nothing to read in the ring: unheld keys read any new one
+                source, index, n = "new", fed.clamp(min=0), T
             else:
-                mask = window_mask(q, plan.kpos, window, self.sink_tokens)
-                if mask is not None and not self._write_first and not bool(self._valid.all()):
-                    # padding queries see their own key, so their (ignored) outputs stay finite
-                    T = q.shape[1]
-                    mask[..., -T:] |= torch.eye(T, dtype=torch.bool)
-                self._masks[key] = (None if mask is None else mask.to(self.layout.device), False)
-        return self._masks[key]
+                source, index, n = "both", torch.where(fed >= 0, held + fed, slots), held + T
+        start = int(index[0, 0])
+        run = start + S <= n and bool((index == start + torch.arange(S)).all())
+        gather = None
+        if not run:  # rows of the source flattened to [B * Hkv * N, D], in [B, Hkv, S] order
+            bh = torch.arange(B * self.layout.n_kv_heads).view(B, -1, 1)  # [B, Hkv, 1]
+            gather = (bh * n + index[:, None]).reshape(-1).to(self.layout.device)
+        dev_mask = None if mask is None else mask.to(self.layout.device)
+        return RingRead(source, S, start if run else None, gather, dev_mask, False)
 
     def _ring_write(self, layer: int, plan: RingPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         # [N] rows and slots around a slice: values laid out [N, Hkv, D]
         self.k[layer][plan.rows, :, plan.slots] = k[plan.rows, :, plan.cols]
         self.v[layer][plan.rows, :, plan.slots] = v[plan.rows, :, plan.cols]
 
+    def _keys(self, r: RingRead, layer: int, new: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """The [B, Hkv, S, D] keys (or values) `r` reads from a layer's ring and new K/V."""
+        if r.source == "both":
+            src = torch.cat([ring, new], 2)  # [B, Hkv, slots + T, D]
+        else:
+            src = ring if r.source == "ring" else new
+        if r.start is not None:
+            return src[:, :, r.start:r.start + r.keys]
+        B, H, _, D = src.shape
+        return src.reshape(-1, D).index_select(0, r.gather).view(B, H, r.keys, D)
+
     def attend(self, layer, q, k, v, positions):
         """Store k, v [B, Hkv, T, D] and return attention of q [B, Hq, T, D] over the
-        row's visible keys (ring layers: the ring and the new tokens)."""
+        row's visible keys (ring layers: dense's span, gathered from the ring and k, v)."""
         ring = self._rings[layer]
         if ring is None:
             return super().attend(layer, q, k, v, positions)
-        plan = self._plans[ring]
-        mask, causal = self._ring_mask(ring, self._windows[layer])
+        plan, r = self._plans[ring], self._reads[ring, self._windows[layer]]
         if self._write_first:
             self._ring_write(layer, plan, k, v)
-            keys, values = self.k[layer], self.v[layer]  # [B, Hkv, slots, D]
-        elif plan.read_ring:
-            keys, values = torch.cat([self.k[layer], k], 2), torch.cat([self.v[layer], v], 2)  # [B, Hkv, slots+T, D]
-        else:
-            keys, values = k, v
-        out = reference_attention(q, keys, values, mask, self.layout.softmax_scale, self.layout.softcap, causal)
+        keys, values = self._keys(r, layer, k, self.k[layer]), self._keys(r, layer, v, self.v[layer])
+        out = reference_attention(q, keys, values, r.mask, self.layout.softmax_scale, self.layout.softcap,
+                                  r.causal)
         if not self._write_first:
             self._ring_write(layer, plan, k, v)
         return out
