@@ -156,7 +156,8 @@ class SpeculativeDecoder:
         L = cache.lengths.clone()
         ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
         positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
-        p = logits_to_probs(model(ids, positions, cache), self.params)  # [B, G + 1, V]
+        valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
+        p = logits_to_probs(model(ids, positions, cache, valid=valid), self.params)  # [B, G + 1, V]
         t2 = time.perf_counter()
         n, nxt = rejection_sample(p, q, draft, self.generator)
         n_cpu = torch.where(active, n.cpu(), torch.zeros_like(n.cpu()))

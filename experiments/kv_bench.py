@@ -191,9 +191,9 @@ def memory(cfg, lm, hf) -> list[dict]:
     ctx, rows = 4096, []
     lay = CacheLayout.of(lm.model)
     bf16_dense = ctx * CacheLayout(**{**lay.__dict__, "dtype": torch.bfloat16}).bytes_per_token()
-    c = backend("int4", nbits=cfg.nbits, group_size=cfg.group_size, residual=cfg.residual)(lay, 1, ctx)
+    c = backend("int4")(lay, 1, ctx)  # conf/cache/int4.yaml defaults
     _fill(c, ctx)
-    rows.append({"what": f"int4 nbits {cfg.nbits} group {cfg.group_size} residual {cfg.residual}, {lm.name}, 4k",
+    rows.append({"what": f"int4 (yaml defaults: residual {c.residual}, rollback {c.rollback_limit}), {lm.name}, 4k",
                  "bytes": c.nbytes(), "reference": "bf16 dense", "reference_bytes": bf16_dense,
                  "ratio": c.nbytes() / bf16_dense})
     glay = CacheLayout.of(load("gemma3-270m", device="cpu").model)

@@ -20,10 +20,18 @@ from models.loading import CONF_DIR
 BACKENDS = sorted(p.stem for p in (CONF_DIR / "cache").glob("*.yaml"))
 H_Q, H_KV, D = 4, 2, 8
 
+# Options a backend's contract runs use instead of its yaml defaults, so that the short
+# sequences here (<= 30 tokens, head_dim 8) really exercise it. int4: blocks of 4 tokens
+# (per-token groups on both axes, so the flush needs no 32-token channel group), queries
+# see their newest 4 positions exact and everything older dequantized.
+CONTRACT_OPTIONS = {
+    "int4": dict(residual=4, group_size=32, flush=4, key_axis="token", value_axis="token", rollback=4),
+}
+
 
 def build(name: str, windows=(8, None), batch: int = 2, capacity: int = 64, **overrides):
     spec = OmegaConf.load(Path(CONF_DIR) / "cache" / f"{name}.yaml")
-    spec = OmegaConf.merge(spec, overrides)
+    spec = OmegaConf.merge(spec, CONTRACT_OPTIONS.get(name, {}), overrides)
     layout = CacheLayout(len(windows), H_KV, D, torch.float32, torch.device("cpu"), tuple(windows),
                          softmax_scale=D**-0.5)
     return instantiate(spec)(layout, batch, capacity)
@@ -142,9 +150,26 @@ def test_rollback_beyond_limit_is_refused(backend):
     c = build(backend, (8, None))
     if c.rollback_limit == float("inf"):
         pytest.skip("unbounded rollback")
-    History(c).step(torch.arange(30).expand(2, -1))
+    n = 30
+    if c.rollback_limit >= n:
+        pytest.skip(f"rollback_limit {c.rollback_limit} exceeds the {n} tokens written")
+    History(c).step(torch.arange(n).expand(2, -1))
+    back = min(int(c.rollback_limit) + 1, n)  # one past the limit, never below position 0
     with pytest.raises(ValueError, match="rollback"):
-        c.truncate([30 - int(c.rollback_limit) - 1, 30])
+        c.truncate([n - back, n])
+    assert c.lengths.tolist() == [n, n]  # a refused truncate changes nothing
+
+
+def test_lossy_backend_really_approximates(backend):
+    """A lossy backend's contract runs store approximations for real (with CONTRACT_OPTIONS),
+    so the tolerance in `assert_close` is exercised, not vacuous; an exact one reads back bits."""
+    c = build(backend, (None, None))
+    h = History(c)
+    h.step(torch.arange(21).expand(2, -1), seed=8)
+    _, k, v = c.read(0, 0)
+    want_k = torch.stack([h.kv[0, 0, p][0] for p in range(21)], 1)
+    want_v = torch.stack([h.kv[0, 0, p][1] for p in range(21)], 1)
+    assert torch.equal(k, want_k) == torch.equal(v, want_v) == (not c.lossy)
 
 
 def test_reset_forgets_everything(backend):

@@ -1,4 +1,5 @@
-"""The int4 backend: quantization against optimum-quanto, the full-precision residual,
+"""The int4 backend: quantization against optimum-quanto, the position-only visibility
+rule (one-pass prefill == token by token == chunks == speculative-style rollbacks),
 rollback, agreement with dense on the tiny models, byte accounting, option checks."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from optimum.quanto import quantize_weight
 
 from cache.base import CacheLayout
 from cache.dense import DenseCache
-from cache.int4 import QTYPES, Grouping, QuantizedCache, bf16_ratio, dequantize_into, quantize
+from cache.int4 import QTYPES, Grouping, QuantizedCache, bf16_ratio, dequantize_into, quantize, worst_context
 from decoding import generate, greedy, prefill
 from decoding.drafters import EarlyExit, ModelDrafter
 from decoding.speculative import SpeculativeDecoder
@@ -58,8 +59,10 @@ def test_contract_attention_while_quantizing(windows, q_len, key_axis):
     pos = torch.arange(70).expand(2, -1)
     valid = pos < torch.tensor([[45], [70]])  # mixed lengths, padding never stored
     check_all(h, h.step(pos, valid, seed=1), pos, valid)
-    assert [c.quantized_tokens(b) for b in range(2)] == [32, 64]
-    assert [c.quantized_tokens(b) + c.kr[0][b].shape[1] for b in range(2)] == [45, 70]  # no padding stored
+    assert [c.quantized_tokens(b) for b in range(2)] == [32, 64]  # V(44) = 32, V(69) = 64
+    # exact from V(len - rollback) = 32 on: blocks [32, 64) of row 1 are held in both forms
+    assert [c.exact_span(b) for b in range(2)] == [(32, 45), (32, 70)]
+    assert [c.kr[0][b].shape[1] for b in range(2)] == [13, 38]  # no padding stored
     for s in range(3):
         nxt = c.lengths[:, None] + torch.arange(q_len)
         check_all(h, h.step(nxt, seed=2 + s), nxt)
@@ -135,15 +138,173 @@ def test_last_residual_tokens_exact_after_long_prefill():
         assert not torch.equal(rk[:, :q], k[0, :, :q])  # the rest really is quantized
 
 
-def test_prefill_attends_new_tokens_in_full_precision():
-    """A forward's queries see its own tokens exactly: a prefill equals dense's."""
-    lay = layout(n_layers=1)
-    k, v = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64)
-    torch.manual_seed(3)
-    got = fill(QuantizedCache(lay, 1, 100, residual=4, group_size=32), k, v, torch.arange(100)[None])
-    torch.manual_seed(3)
-    want = fill(DenseCache(lay, 1, 100), k, v, torch.arange(100)[None])
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+# -- the visibility rule: a function of (query position, key position) only -------------
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_blocks_quantize_independently(axis):
+    """A block's codes, scales and shifts depend on its own K/V only: quantizing blocks one
+    by one gives the bytes of quantizing them together (so a block re-quantized after a
+    rollback, from the same values, is bit-identical)."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 96, 64) * torch.linspace(0.2, 3, 64)  # [H, N, D]
+    g = Grouping(axis, 32, 4)
+    whole = quantize(x, g, torch.float16)
+    parts = [quantize(x[:, s:s + 32], g, torch.float16) for s in range(0, 96, 32)]
+    for i, t in enumerate(whole.tensors()):
+        assert torch.equal(t, torch.cat([p.tensors()[i] for p in parts], 1))
+
+
+def test_quantized_prefix_is_the_rule():
+    c = QuantizedCache(layout(), 1, 300, residual=8, group_size=32, flush=64)
+    # block j seen quantized by query q iff (j + 1) * 64 + 8 <= q + 1
+    for q in range(300):
+        want = max([(j + 1) * 64 for j in range(5) if (j + 1) * 64 + 8 <= q + 1], default=0)
+        assert c.quantized_prefix(q) == want
+        assert int(c.quantized_prefix(torch.tensor(q))) == want
+    assert c.quantized_prefix(70) == 0 and c.quantized_prefix(71) == 64
+
+
+RULE = dict(residual=3, group_size=32, flush=32, rollback=6)  # forwards of up to 6 > residual
+
+
+def rule_reference(c, K, V, Q, window):
+    """Outputs [Hq, N, D] of queries 0..N-1 with the rule applied directly: key p is seen
+    dequantized iff p < V(q) (the blocks quantized on their own), exact otherwise."""
+    H, N, D = K.shape
+    n = N // c.flush * c.flush
+    deq = []
+    for g, x in ((c.kg, K), (c.vg, V)):
+        d = x.clone()
+        dequantize_into(g.region(d, n), quantize(x[:, :n], g, c.scale_dtype), g)
+        deq.append(d)
+    out, grp = torch.empty_like(Q), Q.shape[0] // H
+    for q in range(N):
+        lo = 0 if window is None else max(0, q - window + 1)
+        use = (torch.arange(lo, q + 1) < c.quantized_prefix(q))[None, :, None]
+        k = torch.where(use, deq[0][:, lo:q + 1], K[:, lo:q + 1]).repeat_interleave(grp, 0)  # [Hq, n, D]
+        v = torch.where(use, deq[1][:, lo:q + 1], V[:, lo:q + 1]).repeat_interleave(grp, 0)
+        w = torch.softmax((k @ Q[:, q, :, None]).squeeze(-1) * c.layout.softmax_scale, -1)  # [Hq, n]
+        out[:, q] = (w[:, None] @ v).squeeze(1)
+    return out
+
+
+def run_schedule(c, K, V, Q, pattern):
+    """Write positions 0..N-1 by forwards of (t, keep): t positions, the first `keep` with
+    the true K/V and the rest garbage (a rejected draft), then truncate to the kept ones.
+    Returns {(layer, position): output} for every kept query (each layer gets the same K/V)."""
+    H, N, D = K.shape
+    g = torch.Generator().manual_seed(9)
+    got, i = {}, 0
+    while int(c.lengths[0]) < N:
+        L = int(c.lengths[0])
+        t, keep = pattern[i % len(pattern)]
+        i, keep = i + 1, min(keep, N - L)
+        k, v, q = (torch.randn(h, t, D, generator=g) for h in (H, H, Q.shape[0]))
+        k[:, :keep], v[:, :keep], q[:, :keep] = K[:, L:L + keep], V[:, L:L + keep], Q[:, L:L + keep]
+        pos = torch.arange(L, L + t)[None]
+        c.prepare(pos)
+        for layer in range(c.layout.n_layers):
+            out = c.attend(layer, q[None], k[None], v[None], pos)
+            got.update({(layer, L + j): out[0, :, j] for j in range(keep)})
+        c.truncate([L + keep])
+    return got
+
+
+SCHEDULES = {"one pass": [(100, 100)], "token by token": [(1, 1)], "chunks of 7": [(7, 7)],
+             "speculative": [(6, 2), (6, 1), (4, 4), (6, 6), (2, 1), (6, 3), (1, 1), (6, 5)]}
+
+
+@pytest.mark.parametrize("attention_chunk", [256, 13])  # 13: long forwards attend in query chunks
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
+def test_visible_version_depends_only_on_positions(key_axis, attention_chunk):
+    """However the positions are split into forwards (one pass, single tokens, chunks,
+    verify forwards with rejected garbage rolled back), every query's output is the rule's
+    (1e-5; only the summation order differs), and the stores end bit-identical."""
+    torch.manual_seed(6)
+    N, windows = 100, (None, 8)
+    K, V, Q = torch.randn(2, N, 64), torch.randn(2, N, 64), torch.randn(4, N, 64)
+    build = lambda **kw: QuantizedCache(layout(n_layers=2, windows=windows), 1, N + 6,  # noqa: E731
+                                        key_axis=key_axis, **{**RULE, **kw})
+    want = [rule_reference(build(), K, V, Q, w) for w in windows]
+    exact = build(residual=N + 1)  # V(q) = 0: nothing quantized
+    assert (want[0] - rule_reference(exact, K, V, Q, None)).abs().max() > 1e-2  # quantization really bites
+    caches = {}
+    for name, pattern in SCHEDULES.items():
+        c = caches[name] = build()
+        c.attention_chunk = attention_chunk
+        got = run_schedule(c, K, V, Q, pattern)
+        for layer in range(len(windows)):
+            out = torch.stack([got[layer, p] for p in range(N)], 1)
+            torch.testing.assert_close(out, want[layer], rtol=0, atol=1e-5, msg=f"{name}, layer {layer}")
+    ref = caches["one pass"]
+    assert ref.quantized_tokens(0) == 96 and ref.exact_span(0) == (64, N)  # V(99) = 96, V(94) = 64
+    for name, c in caches.items():  # (a last forward past N drops exact copies earlier: P0 is 64 or 96)
+        p0 = c.exact_span(0)[0]
+        assert c.quantized_tokens(0) == 96 and p0 in (64, 96), name
+        for layer in range(2):
+            for mine, theirs in zip(c.kq[layer][0].tensors() + c.vq[layer][0].tensors(),
+                                    ref.kq[layer][0].tensors() + ref.vq[layer][0].tensors()):
+                assert torch.equal(mine, theirs), name  # garbage-holding blocks were re-quantized
+            assert torch.equal(c.kr[layer][0], K[:, p0:]) and torch.equal(c.vr[layer][0], V[:, p0:])
+
+
+def test_long_forward_attends_in_query_chunks():
+    """A mixed-length batch (padding, a windowed layer) in one forward: attending in chunks
+    of 16 queries gives what one mask over every key gives, and reads fewer key slots."""
+    torch.manual_seed(7)
+    pos = torch.arange(70).expand(2, -1)
+    valid = pos < torch.tensor([[45], [70]])
+    k, v, q = torch.randn(2, 2, 70, 64), torch.randn(2, 2, 70, 64), torch.randn(2, 4, 70, 64)
+    outs, slots = [], []
+    for chunk in (256, 16):
+        c = QuantizedCache(layout(n_layers=2, windows=(8, None)), 2, 80, residual=4, group_size=32, rollback=4)
+        c.attention_chunk = chunk
+        c.prepare(pos, valid)
+        outs.append([c.attend(layer, q, k, v, pos) for layer in range(2)])
+        slots.append(sum(view.S * (view.b - view.a) for view in c._plan.views[None]))
+        assert len(c._plan.views[None]) == (1 if chunk == 256 else 5)
+    for layer in range(2):
+        got, want = outs[1][layer].transpose(1, 2)[valid], outs[0][layer].transpose(1, 2)[valid]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert slots[1] < 0.7 * slots[0]  # 70 x (64 + 70) scores in one mask; per chunk only what it needs
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_gemma"])
+def test_prefill_equals_token_by_token_on_the_tiny_models(name, request):
+    """A one-pass prefill that quantizes as it goes (attending at once or in 16-query
+    chunks), 16-token forwards and single tokens give the same logits at every position
+    (float tolerance), while int4 visibly differs from dense."""
+    m = request.getfixturevalue(name).model
+    N = 80
+    ids = torch.tensor([random_ids(N, m.cfg.vocab_size, seed=12)])
+    int4 = functools.partial(QuantizedCache, residual=4, group_size=32, flush=32, rollback=8)
+    chunked = functools.partial(type("Chunked", (QuantizedCache,), {"attention_chunk": 16}), residual=4,
+                                group_size=32, flush=32, rollback=8)
+    runs, stores = {}, {}
+    with torch.inference_mode():
+        for label, step, factory in (("one pass", N, int4), ("query chunks", N, chunked), ("chunks", 16, int4),
+                                     ("tokens", 1, int4)):
+            cache = stores[label] = make_cache(m, 1, N, factory)
+            runs[label] = torch.cat([m(ids[:, s:s + step], torch.arange(s, s + step)[None], cache)[0]
+                                     for s in range(0, N, step)])  # [N, V]
+            assert cache.quantized_tokens(0) == 64  # V(79): blocks quantized inside the prefill
+        dense = m(ids, torch.arange(N)[None], make_cache(m, 1, N, DenseCache))[0]
+    one = runs["one pass"]
+    d_dense = (dense - one).abs().max().item()
+    assert d_dense > 1e-3  # quantization really changes the logits ...
+    assert (dense[:35] - one[:35]).abs().max() <= 1e-5  # ... and only where V(q) > 0 (q >= 35)
+    for label in ("query chunks", "chunks", "tokens"):
+        same = all(torch.equal(x, y) for layer in range(m.cfg.n_layers) for s in ("kq", "vq")
+                   for x, y in zip(getattr(stores[label], s)[layer][0].tensors(),
+                                   getattr(stores["one pass"], s)[layer][0].tensors()))
+        d = (runs[label] - one).abs().max(-1).values  # [N]
+        print(f"{name}: {label} vs one pass: max |logit diff| {d.max():.2e}, quantized stores "
+              f"{'bit-identical' if same else 'differ'}; dense logits differ from int4 by up to {d_dense:.2e}")
+        assert d[:35].max() <= 1e-5  # nothing quantized visible yet: float rounding only
+        if same:  # the same K/V reached the quantizer: the rule makes the logits equal
+            assert d.max() <= 1e-5
+        else:  # a batched forward's K/V differ from single-token ones by float rounding (dense:
+            # ~1e-6), and a code or an fp16 scale may round the other way: one quantization step
+            assert d.max() <= 1e-2
 
 
 def test_rollback_then_continue():
@@ -174,16 +335,29 @@ def test_rollback_then_continue():
 
 
 def test_truncate_beyond_limit_is_refused():
-    c = QuantizedCache(layout(), 1, 100, residual=8, group_size=32)
-    fill(c, torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), torch.arange(40)[None])
-    assert c.rollback_limit == 8 and c.quantized_tokens(0) == 32
+    c = QuantizedCache(layout(), 1, 100, residual=4, group_size=32, rollback=8)
+    fill(c, torch.randn(1, 2, 60, 64), torch.randn(1, 2, 60, 64), torch.arange(60)[None])
+    assert c.rollback_limit == 8 and c.quantized_tokens(0) == 32 and c.exact_span(0) == (32, 60)  # V(52) = 32
     with pytest.raises(SetupError, match="rollback_limit of 8"):
-        c.truncate([31])
-    c.truncate([32])  # a full residual's worth is fine
-    fill(c, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), torch.tensor([[32]]))
-    with pytest.raises(SetupError, match="quantized tokens"):  # after that rollback one exact token is left
-        c.truncate([33 - 8])
-    assert c.lengths.tolist() == [33]
+        c.truncate([51])
+    assert c.lengths.tolist() == [60]
+    # rollbacks after rollbacks and shorter forwards: fine while the query at the new length
+    # finds its exact keys (V(n) >= P0 = 32, i.e. n >= 35), refused below
+    for n in (52, 45, 38):
+        c.truncate([n])
+        fill(c, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), torch.tensor([[n]]))
+    assert c.lengths.tolist() == [39] and c.exact_span(0) == (32, 39)
+    with pytest.raises(SetupError, match=r"full-precision keys of positions \[0, 32\)"):
+        c.truncate([34])  # a query at 34 sees [0, 32) exact, but only quantized copies are left
+    c.truncate([35])
+    assert c.lengths.tolist() == [35] and c.quantized_tokens(0) == 32
+
+
+def test_rollback_limit_is_the_rollback_option():
+    assert QuantizedCache(layout(), 1, 10).rollback_limit == 16  # the default
+    assert QuantizedCache(layout(), 1, 10, rollback=0).rollback_limit == 0
+    with pytest.raises(SetupError, match="rollback must be an integer >= 0"):
+        QuantizedCache(layout(), 1, 10, rollback=-1)
 
 
 def test_positions_must_continue_each_row():
@@ -233,32 +407,36 @@ def test_residual_covering_the_sequence_equals_dense(name, request):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_speculative_decoding_rolls_back_within_the_residual(tiny_gemma):
-    """Target and draft on int4: with the residual covering everything, token-identical to
-    plain dense greedy; while quantizing, every rollback (most drafts are rejected) is allowed."""
+def test_speculative_decoding_is_token_identical_to_int4_greedy(tiny_gemma):
+    """Target and draft on int4: token-identical to plain greedy on int4, whether the
+    residual covers everything (then also to dense) or quantization runs through 100
+    tokens of mostly rejected drafts (then not dense's tokens any more)."""
     m = tiny_gemma.model
     prompts = [random_ids(30, m.cfg.vocab_size, seed=1), random_ids(45, m.cfg.vocab_size, seed=2)]
-    plain = generate(m, make_cache(m, 2, 200, DenseCache), greedy(), prompts, 100).tokens
+    dense = generate(m, make_cache(m, 2, 200, DenseCache), greedy(), prompts, 100).tokens
     for residual in (256, 8):
-        int4 = functools.partial(QuantizedCache, residual=residual, group_size=32)
+        int4 = functools.partial(QuantizedCache, residual=residual, group_size=32, rollback=8)
+        plain = generate(m, make_cache(m, 2, 200, int4), greedy(), prompts, 100).tokens
         spec = SpeculativeDecoder(ModelDrafter(EarlyExit(m, 1), cache=int4), gamma=4)
         cache = make_cache(m, 2, 200, int4)
         r = generate(m, cache, spec, prompts, 100)
         assert all(len(t) == 100 for t in r.tokens) and r.stats["acceptance_rate"] < 0.5
-        assert (r.tokens == plain) == (residual == 256)
+        assert r.tokens == plain
+        assert (plain == dense) == (residual == 256)
         assert (min(cache.quantized_tokens(b) for b in range(2)) >= 96) == (residual == 8)
 
 
 # -- bytes -------------------------------------------------------------------------------
+@pytest.mark.parametrize("rollback, exact", [(1, 8), (16, 40)])  # exact from min(Qs, V(40 - rollback))
 @pytest.mark.parametrize("scale_dtype, scale_bytes", [("float16", 2), ("float32", 4)])
-def test_nbytes_hand_count(scale_dtype, scale_bytes):
-    c = QuantizedCache(layout(), 1, 64, residual=8, group_size=32, scale_dtype=scale_dtype)
+def test_nbytes_hand_count(scale_dtype, scale_bytes, rollback, exact):
+    c = QuantizedCache(layout(), 1, 64, residual=8, group_size=32, scale_dtype=scale_dtype, rollback=rollback)
     fill(c, torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), torch.arange(40)[None])
-    assert c.quantized_tokens(0) == 32
+    assert c.quantized_tokens(0) == 32 and c.exact_span(0) == (40 - exact, 40)
     groups = 2 * 64 * (32 // 32)  # keys: heads x channels x token groups; values: heads x 32 tokens x 2
     codes = groups * 32 // 2  # 32 codes of 4 bits per group
-    residual = 2 * 8 * 64 * 4  # heads x tokens x D x fp32
-    per_kind = codes + 2 * groups * scale_bytes + residual  # codes, scales, shifts, residual
+    full = 2 * exact * 64 * 4  # heads x exact tokens x D x fp32 (with rollback 16: block 0 in both forms)
+    per_kind = codes + 2 * groups * scale_bytes + full  # codes, scales, shifts, exact copies
     assert c.nbytes() == 2 * per_kind  # K and V
     assert c.theoretical_bytes() == 40 * 2 * 2 * 64 * 4
 
@@ -266,17 +444,19 @@ def test_nbytes_hand_count(scale_dtype, scale_bytes):
 def test_memory_ratio_smollm2_layout_at_4k():
     """SmolLM2-135M's layout (30 layers, 3 KV heads, head_dim 64, fp32): everything counted."""
     lay = CacheLayout(30, 3, 64, torch.float32, torch.device("cpu"), (None,) * 30, softmax_scale=64**-0.5)
-    ratio, worst = bf16_ratio(lay, 4096), bf16_ratio(lay, 4095)  # right after / just before a flush
-    print(f"int4 KV bytes at 4096 tokens: {ratio:.3f}x a bf16 dense cache ({worst:.3f}x at 4095: "
-          "the fp32 residual then holds residual + flush - 1 tokens)")
-    assert ratio <= 0.35 and worst < 0.37
+    at = worst_context(QuantizedCache(lay, 1, 4096), 4096)  # most exact tokens in (4032, 4096]
+    ratio, worst = bf16_ratio(lay, 4096), bf16_ratio(lay, at)
+    print(f"int4 KV bytes at 4096 tokens: {ratio:.3f}x a bf16 dense cache ({worst:.3f}x at {at}: the fp32 "
+          "exact store then holds residual + rollback + flush - 2 tokens)")
+    assert at == 4094 and ratio <= 0.35 and worst < 0.37
 
 
 # -- options -----------------------------------------------------------------------------
 def test_invalid_options_listed_together():
     with pytest.raises(SetupError) as e:
-        QuantizedCache(layout(), 0, 10, nbits=3, group_size=48, residual=0, key_axis="row", scale_dtype="int8")
-    assert len(e.value.reasons) == 6  # batch, nbits, group_size, key_axis, residual, scale_dtype
+        QuantizedCache(layout(), 0, 10, nbits=3, group_size=48, residual=0, key_axis="row", scale_dtype="int8",
+                       rollback=-2)
+    assert len(e.value.reasons) == 7  # batch, nbits, group_size, key_axis, residual, rollback, scale_dtype
     assert "[2, 4]" in str(e.value) and "[32, 64, 128]" in str(e.value)
     with pytest.raises(SetupError) as e:
         QuantizedCache(layout(head_dim=96), 1, 10, group_size=64, flush=96)

@@ -226,3 +226,21 @@ def test_early_exit_layers_are_checked(tiny_llama):
 
     with pytest.raises(SetupError, match=r"\[1, 1\]"):
         early_exit(tiny_llama, layers=2)
+
+
+def test_finished_rows_do_not_grow_or_exceed_rollback(tiny_llama):
+    """A row that ended (EOS) is fed as padding: a cache whose rollback equals gamma
+    keeps working while the other row goes on."""
+    from cache.dense import DenseCache
+
+    class ExactRollback(DenseCache):
+        rollback_limit = 3
+
+    m = tiny_llama.model
+    prompts = [random_ids(8, seed=4), random_ids(12, seed=9)]
+    plain = generate(m, cache_for(m, 2, 80), greedy(), prompts, 20)
+    eos = plain.tokens[0][2]
+    r = generate(m, cache_for(m, 2, 80, ExactRollback), SpeculativeDecoder(ModelDrafter(EarlyExit(m, 1)), gamma=3),
+                 prompts, 20, eos_ids=[eos])
+    ref = generate(m, cache_for(m, 2, 80), greedy(), prompts, 20, eos_ids=[eos])
+    assert r.tokens == ref.tokens and r.finish_reasons[0] == "eos"
