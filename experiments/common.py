@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 from importlib import metadata
@@ -66,3 +67,18 @@ def print_table(rows: list[dict]) -> None:
     print("|" + "---|" * len(keys))
     for r in rows:
         print("| " + " | ".join(_fmt(r[k]) for k in keys) + " |")
+
+
+def write_results(name: str, cfg, rows: list[dict], model) -> Path:
+    """Print the table and the run conditions; write both with the config as JSON to
+    `cfg.out` (default experiments/results/<name>.json)."""
+    from omegaconf import OmegaConf
+
+    print_table(rows)
+    cond = run_conditions(model)
+    print("conditions:", cond)
+    out = Path(cfg.out or Path(__file__).resolve().parent / "results" / f"{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": OmegaConf.to_container(cfg), "rows": rows, "conditions": cond}, indent=1))
+    print(f"wrote {out}")
+    return out

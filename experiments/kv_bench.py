@@ -11,11 +11,9 @@ experiments/results/kv_bench-<part>.json).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 
 import hydra
 import torch
@@ -23,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding.prefill import prefill
 from decoding.text import make_cache
-from experiments.common import print_table, run_conditions, synthetic_prompt
+from experiments.common import print_table, synthetic_prompt, write_results
 from models.loading import CONF_DIR, instantiate_unwrapped
 
 
@@ -232,13 +230,7 @@ def main(cfg: DictConfig) -> None:
 
     hf = hf_model_for(lm)
     rows = {"quality": quality, "speed": speed, "memory": memory}[cfg.part](cfg, lm, hf)
-    print_table(rows)
-    cond = run_conditions(lm.model)
-    print("conditions:", cond)
-    out = Path(cfg.out or CONF_DIR.parent / "experiments" / "results" / f"kv_bench-{cfg.part}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": OmegaConf.to_container(cfg), "rows": rows, "conditions": cond}, indent=1))
-    print(f"wrote {out}")
+    write_results(f"kv_bench-{cfg.part}", cfg, rows, lm.model)
 
 
 if __name__ == "__main__":

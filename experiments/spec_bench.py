@@ -14,9 +14,7 @@ per prompt; every figure is printed with the run conditions.
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
 import hydra
 import torch
@@ -26,7 +24,7 @@ from decoding.decoders import greedy
 from decoding.generate import generate
 from decoding.speculative import SpeculativeDecoder, leviathan_speedup
 from decoding.text import make_cache
-from experiments.common import print_table, run_conditions
+from experiments.common import print_table, write_results
 from experiments.workloads import sharegpt
 from models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -115,13 +113,7 @@ def main(cfg: DictConfig) -> None:
     run(lm.model, greedy(), prompts[0][:16], 4)  # warm-up
     rows = {"speed": speed, "lossless": lossless}[cfg.part](cfg, lm, prompts)
     print(f"model={lm.name} prompts={len(prompts)} new_tokens={cfg.new_tokens} (ShareGPT, chat template)")
-    print_table(rows)
-    cond = run_conditions(lm.model)
-    print("conditions:", cond)
-    out = Path(cfg.out or CONF_DIR.parent / "experiments" / "results" / f"spec_bench-{cfg.part}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": OmegaConf.to_container(cfg), "rows": rows, "conditions": cond}, indent=1))
-    print(f"wrote {out}")
+    write_results(f"spec_bench-{cfg.part}", cfg, rows, lm.model)
 
 
 if __name__ == "__main__":

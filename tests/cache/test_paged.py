@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from cache.base import CacheLayout
-from cache.dense import DenseCache
 from cache.paged import PagedCache, chain_hashes, waste_report
 from decoding import generate, greedy, prefill
 from models.errors import SetupError

@@ -8,7 +8,6 @@ import torch
 from scipy import stats
 
 from decoding import generate, greedy
-from decoding.decoders import SamplingDecoder
 from decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
 from decoding.sampling import SamplingParams, logits_to_probs
 from decoding.speculative import SpeculativeDecoder, leviathan_speedup, overlap, rejection_sample
