@@ -24,9 +24,11 @@ def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = Non
     changes a result. With `chunk_size`, the prompt runs in chunks of that many
     positions (same logits as one pass, smaller peak memory). A backend with a prefix
     cache maps already-cached prompt blocks first; only the rest is computed."""
-    reused = cache.reuse_prefix(prompts) if bool((cache.lengths == 0).all()) else [0] * len(prompts)
+    fresh = bool((cache.lengths == 0).all())  # prompts start at position 0: a prefix cache applies
+    reused = cache.reuse_prefix(prompts) if fresh else [0] * len(prompts)
     logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size)
-    cache.remember_prefix(prompts)
+    if fresh:
+        cache.remember_prefix(prompts)
     return logits
 
 
