@@ -19,6 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.agreement import compare, dense_logits, forced_logits
 from decoding.prefill import prefill
 from decoding.text import make_cache
 from experiments.common import print_table, synthetic_prompt, write_results
@@ -31,22 +32,9 @@ def backend(name: str, **options):
     return instantiate_unwrapped(spec)
 
 
-# -- teacher forcing ------------------------------------------------------------------
-@torch.no_grad()
-def ours_forced(model, factory, prompt: list[int], ref: list[int]) -> torch.Tensor:
-    """Logits [N, V] predicting ref[0..N-1]: prefill the prompt, then feed the reference
-    one token at a time through the cache (as decoding would)."""
-    cache = make_cache(model, 1, len(prompt) + len(ref), factory)
-    out = [prefill(model, cache, [prompt])[0]]
-    for t in ref[:-1]:
-        pos = cache.lengths[:, None].to(model.device)
-        out.append(model(torch.tensor([[t]], device=model.device), pos, cache)[0, -1])
-    return torch.stack(out).float()
-
-
 @torch.no_grad()
 def hf_forced(hf, prompt: list[int], ref: list[int], **qkw) -> torch.Tensor:
-    """The same through transformers' QuantizedCache(backend="quanto")."""
+    """Teacher forcing through transformers' QuantizedCache(backend="quanto"): logits [N, V]."""
     from transformers import QuantizedCache
 
     cache = QuantizedCache(backend="quanto", config=hf.config, **qkw)
@@ -58,23 +46,6 @@ def hf_forced(hf, prompt: list[int], ref: list[int], **qkw) -> torch.Tensor:
     return torch.stack(out).float()
 
 
-@torch.no_grad()
-def dense_forced(model, prompt: list[int], ref: list[int]) -> torch.Tensor:
-    """The dense reference in one pass: logits [N, V] at positions len(prompt)-1 ... ."""
-    ids = prompt + ref[:-1]
-    cache = make_cache(model, 1, len(ids), backend("dense"))
-    logits = model(torch.tensor([ids], device=model.device), torch.arange(len(ids), device=model.device)[None], cache)
-    return logits[0, len(prompt) - 1:].float()
-
-
-def agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> dict:
-    """top-1 agreement and mean KL(ref || other) over positions."""
-    lp, lq = ref_logits.log_softmax(-1), logits.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return {"top1": (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item(), "kl": kl.mean().item(),
-            "max_abs_dlogit": (ref_logits - logits).abs().max().item()}
-
-
 def quality(cfg, lm, hf) -> list[dict]:
     from experiments.workloads import sharegpt
 
@@ -82,16 +53,16 @@ def quality(cfg, lm, hf) -> list[dict]:
     reqs = sharegpt(cfg.prompts, seed=cfg.seed, tokenizer=tok, max_prompt_tokens=cfg.max_prompt_tokens,
                     min_reference_tokens=cfg.forced_tokens)
     q = dict(nbits=cfg.nbits, q_group_size=cfg.group_size, residual_length=cfg.residual)
-    systems = {"ours-int4": partial(ours_forced, lm.model, backend("int4", nbits=cfg.nbits, group_size=cfg.group_size,
+    systems = {"ours-int4": partial(forced_logits, lm.model, backend("int4", nbits=cfg.nbits, group_size=cfg.group_size,
                                                                    residual=cfg.residual)),
                "hf-QuantizedCache": lambda p, r: hf_forced(hf, p, r, **q)}
     per = {name: [] for name in systems}
     for i, req in enumerate(reqs):
         prompt = tok.encode(req.prompt, chat=True)
         ref = tok.encode(req.reference)[: cfg.forced_tokens]
-        dense = dense_forced(lm.model, prompt, ref)
+        dense = dense_logits(lm.model, prompt, ref)
         for name, fn in systems.items():
-            per[name].append(agreement(dense, fn(prompt, ref)))
+            per[name].append(compare(dense, fn(prompt, ref)))
         print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): "
               + ", ".join(f"{n} top1 {v[-1]['top1']:.3f} kl {v[-1]['kl']:.4f}" for n, v in per.items()), flush=True)
     return [{"system": n, "prompts": len(v), "forced_tokens": cfg.forced_tokens,

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.errors import SetupError
+from models.errors import SetupError, raise_if
 from models.loading import _source_key, cache_root
 
 log = logging.getLogger("decodelab.workloads")
@@ -20,10 +20,19 @@ SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt; `reference` is a reply to teacher-force (ShareGPT) or None."""
+    """One prompt; `reference` is a reply to teacher-force (ShareGPT) or None. `ids`, when
+    given, are the prompt's token ids already (synthetic prompts: nothing to tokenize);
+    `chat` wraps `prompt` in the tokenizer's chat template."""
 
     prompt: str
     reference: str | None = None
+    id: str = ""
+    ids: tuple[int, ...] | None = None
+    chat: bool = False
+
+    def encode(self, tokenizer) -> list[int]:
+        """The prompt's token ids (tokenizing is part of TTFT; pre-tokenized ids cost nothing)."""
+        return list(self.ids) if self.ids is not None else tokenizer.encode(self.prompt, chat=self.chat)
 
 
 def sharegpt_source() -> Path:
@@ -123,3 +132,81 @@ def sharegpt(n: int, seed: int = 0, tokenizer=None, min_prompt_tokens: int = 4, 
         if len(chosen) == n:
             return chosen
     raise SetupError(f"only {len(chosen)} ShareGPT requests fit the length filters; widen them or ask for fewer")
+
+
+# -- the `workload` config group: validated options (cheap), prompts on call ----------
+def _count_problems(n, seed) -> list[str]:
+    p = [] if isinstance(n, int) and n >= 1 else [f"workload.n must be an int >= 1, got {n!r}"]
+    return p + ([] if isinstance(seed, int) else [f"workload.seed must be an int, got {seed!r}"])
+
+
+class ShareGPT:
+    """`n` ShareGPT V3 first exchanges (human prompt, reply as teacher-forcing reference),
+    sampled with `seed` among those whose token counts fit the ranges."""
+
+    name = "sharegpt"
+
+    def __init__(self, n: int = 4, seed: int = 0, min_prompt_tokens: int = 4, max_prompt_tokens: int = 512,
+                 min_reference_tokens: int = 0, chat_template: bool = True):
+        p = _count_problems(n, seed)
+        if not 1 <= min_prompt_tokens <= max_prompt_tokens:
+            p.append(f"workload needs 1 <= min_prompt_tokens <= max_prompt_tokens, got {min_prompt_tokens} "
+                     f"and {max_prompt_tokens}")
+        if min_reference_tokens < 0:
+            p.append(f"workload.min_reference_tokens must be >= 0, got {min_reference_tokens}")
+        raise_if(p)
+        self.n, self.seed, self.chat = n, seed, chat_template
+        self.lengths = dict(min_prompt_tokens=min_prompt_tokens, max_prompt_tokens=max_prompt_tokens,
+                            min_reference_tokens=min_reference_tokens)
+
+    def __call__(self, lm) -> list[Request]:
+        reqs = sharegpt(self.n, self.seed, lm.tokenizer, **self.lengths)
+        return [Request(r.prompt, r.reference, f"sharegpt-{self.seed}-{i}", chat=self.chat) for i, r in enumerate(reqs)]
+
+
+class Synthetic:
+    """`per_length` prompts of exactly each of `lengths` tokens (filler text through the
+    tokenizer, or seeded random ids for a model without one); no reference."""
+
+    name = "synthetic"
+
+    def __init__(self, lengths=(128, 512), per_length: int = 1, seed: int = 0):
+        lengths = list(lengths)
+        p = _count_problems(per_length, seed)
+        if not lengths or not all(isinstance(n, int) and n >= 1 for n in lengths):
+            p.append(f"workload.lengths must be a non-empty list of token counts >= 1, got {lengths}")
+        raise_if(p)
+        self.lengths, self.per_length, self.seed = lengths, per_length, seed
+
+    def __call__(self, lm) -> list[Request]:
+        from experiments.common import synthetic_prompt
+
+        out = []
+        for n in self.lengths:
+            for j in range(self.per_length):
+                ids = synthetic_prompt(lm, n, seed=self.seed + j)
+                ids = ids[j:] + ids[:j]  # distinct prompts of the same length
+                out.append(Request("", None, f"synthetic-{n}-{j}", ids=tuple(ids)))
+        return out
+
+
+class JsonlFile:
+    """Every record (or the first `n`) of a local JSONL file with `prompt` and an optional
+    `reference`, loaded with `datasets`."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str | None = None, n: int | None = None, chat_template: bool = True):
+        p = []
+        if not path:
+            p.append("workload=jsonl needs a file: add workload.path=PATH (a JSONL file with `prompt` fields)")
+        elif not Path(path).expanduser().is_file():
+            p.append(f"workload.path {path} is not a file; give an existing JSONL file")
+        if n is not None and not (isinstance(n, int) and n >= 1):
+            p.append(f"workload.n must be null (all records) or an int >= 1, got {n!r}")
+        raise_if(p)
+        self.path, self.n, self.chat = Path(path).expanduser(), n, chat_template
+
+    def __call__(self, lm) -> list[Request]:
+        reqs = load_jsonl(self.path)[: self.n]
+        return [Request(r.prompt, r.reference, f"{self.path.stem}-{i}", chat=self.chat) for i, r in enumerate(reqs)]

@@ -47,7 +47,7 @@ def test_gemma3_exact_backends_past_the_window(gemma3_270m):
 
 
 def test_smollm2_int4_stays_close_to_dense(smollm2):
-    from experiments.kv_bench import agreement, ours_forced
+    from decoding.agreement import compare, forced_logits
     from experiments.workloads import sharegpt
 
     tok = smollm2.tokenizer
@@ -57,6 +57,6 @@ def test_smollm2_int4_stays_close_to_dense(smollm2):
     for r in reqs:
         prompt, ref = tok.encode(r.prompt, chat=True), tok.encode(r.reference)[:256]
         assert len(prompt) + len(ref) > 128 + 64 + 200  # hundreds of tokens really are quantized
-        a = agreement(ours_forced(smollm2.model, DenseCache, prompt, ref), ours_forced(smollm2.model, q, prompt, ref))
+        a = compare(forced_logits(smollm2.model, DenseCache, prompt, ref), forced_logits(smollm2.model, q, prompt, ref))
         print(f"int4 vs dense: top1 {a['top1']:.3f}, KL {a['kl']:.4f}")
         assert a["top1"] >= 0.9 and a["kl"] <= 0.05
