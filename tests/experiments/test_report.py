@@ -1,0 +1,162 @@
+"""experiments.report on fabricated run directories: loading, dedup, speedups, CSV,
+Markdown, plots and the CLI's error path."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.report import (load_runs, main, markdown_table, table_rows, write_report)
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("ttft_vs_prompt_len", "itl_vs_context", "kv_mib_vs_context", "speculative_vs_gamma")
+
+
+def prompt_row(run: str, i: int, prompt_tokens: int, new_tokens: int = 5) -> dict:
+    """One fabricated prompt line; ITL grows with context, KV bytes with tokens."""
+    context = [prompt_tokens + s for s in range(new_tokens - 1)]
+    return {"kind": "prompt", "run": run, "prompt_id": f"p{i}", "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens, "tokenize_ms": 0.1, "prefill_ms": prompt_tokens * 0.5,
+            "first_sample_ms": 0.05, "ttft_ms": prompt_tokens * 0.5 + 0.15,
+            "itl_ms": [10.0 + c / 100 for c in context], "context": context, "itl_p50_ms": 10.2,
+            "itl_p95_ms": 10.4, "itl_p99_ms": 10.5, "decode_tok_s": 95.0, "prompt_tok_s": 500.0,
+            "kv_bytes_formula": 64 * (prompt_tokens + new_tokens),
+            "kv_bytes_allocated": 64 * 1024, "spec": None, "agreement": None}
+
+
+def write_run(d: Path, run: str, cache: str, decoder: str = "greedy", gamma: int | None = None,
+              decode_tok_s: float = 20.0, finished: str = "2025-01-01T12:00:00+00:00",
+              complete: bool = True, model: str = "tiny-llama") -> Path:
+    """A run directory with results.jsonl as bench writes it (no summary when not complete)."""
+    spec = decoder == "speculative"
+    name = f"speculative-{cache}" if spec else cache
+    lines = [prompt_row(run, i, n) for i, n in enumerate((8, 16, 32))]
+    metrics = {"ttft_ms": 8.0, "itl_p50_ms": 10.2, "itl_p95_ms": 10.4, "itl_p99_ms": 10.5,
+               "decode_tok_s": decode_tok_s, "prompt_tok_s": 500.0, "kv_mib": 0.0625, "kv_mib_formula": 0.002,
+               "peak_rss_mib": 400.0, "peak_cuda_mib": None,
+               "acceptance_rate": 0.2 + 0.1 * gamma if spec else None, "mean_accepted": 1.5 if spec else None,
+               "alpha": 0.7 if spec else None, "predicted_speedup": 1.9 if spec else None,
+               "agree_top1": 1.0, "agree_kl": 1.5e-7, "agree_max_abs_dlogit": 0.001}
+    if complete:
+        lines.append({"kind": "summary", "run": run, "finished": finished,
+                      "setup": {"name": name, "model": model, "cache": cache, "decoder": decoder,
+                                "draft": "early-exit" if spec else None, "gamma": gamma,
+                                "workload": "synthetic", "experiment": "main"},
+                      "metrics": metrics, "conditions": {"git": "abc", "threads": 2}, "config": {}})
+    d.mkdir(parents=True)
+    (d / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return d
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    """A multirun: dense greedy + speculative (gamma 2, 4), paged greedy, sliding
+    speculative (no greedy counterpart), an unfinished job, and a rerun of the gamma-2
+    job nested deeper, finished later but earlier in path order."""
+    root = tmp_path / "multirun"
+    day1, day0 = root / "2025-01-02" / "10-00-00", root / "2025-01-01" / "10-00-00"
+    write_run(day1 / "0", "a00000000001", "dense", decode_tok_s=20.0)
+    write_run(day1 / "1", "a00000000002", "dense", "speculative", 2, decode_tok_s=30.0,
+              finished="2025-01-02T10:05:00+00:00")
+    write_run(day1 / "2", "a00000000003", "dense", "speculative", 4, decode_tok_s=40.0)
+    write_run(day1 / "3", "a00000000004", "paged", decode_tok_s=18.0)
+    write_run(day1 / "4", "a00000000005", "int4", complete=False)
+    write_run(day1 / "5", "a00000000006", "sliding", "speculative", 2, decode_tok_s=25.0)
+    write_run(day0 / "redo" / "nested" / "1", "a00000000002", "dense", "speculative", 2, decode_tok_s=36.0,
+              finished="2025-01-03T08:00:00Z")
+    return root
+
+
+def test_load_runs_dedups_and_skips_unfinished(sweep, caplog):
+    caplog.set_level(logging.INFO, logger="decodelab.report")
+    runs = load_runs(sweep)
+    assert len(runs) == 5  # 7 files - 1 unfinished - 1 older duplicate
+    assert sorted(r["run"] for r in runs) == [f"a0000000000{i}" for i in (1, 2, 3, 4, 6)]
+    dup = next(r for r in runs if r["run"] == "a00000000002")
+    assert dup["finished"] == "2025-01-03T08:00:00Z" and "redo" in str(dup["path"])
+    assert dup["metrics"]["decode_tok_s"] == 36.0
+    assert all(len(r["prompts"]) == 3 for r in runs)
+    assert any("4/results.jsonl" in m and "no summary" in m for m in caplog.messages)
+
+
+def test_table_rows_sorted_with_speedups(sweep):
+    rows = table_rows(load_runs(sweep), sweep)
+    assert [(r["cache"], r["decoder"], r["gamma"]) for r in rows] == [
+        ("dense", "greedy", None), ("dense", "speculative", 2), ("dense", "speculative", 4),
+        ("paged", "greedy", None), ("sliding", "speculative", 2)]
+    assert [r["speedup_vs_greedy"] for r in rows] == [None, pytest.approx(1.8), pytest.approx(2.0), None, None]
+    assert rows[1]["dir"] == str(Path("2025-01-01/10-00-00/redo/nested/1"))
+    assert rows[0]["n_prompts"] == 3 and rows[0]["name"] == "dense" and rows[1]["name"] == "speculative-dense"
+
+
+def test_markdown_table_columns_and_missing_values():
+    rows = [{"name": "a|b", "x": 1.23456, "y": None, "z": 12345.6}]
+    md = markdown_table(rows, ["name", "x", "y", "z"])
+    assert md.splitlines() == ["| setup | x | y | z |", "|---|---:|---|---:|", "| a\\|b | 1.23 | - | 12346 |"]
+
+
+def test_write_report_files(sweep, tmp_path):
+    out = tmp_path / "out"
+    paths = write_report(sweep, out)
+    assert set(paths) == {"csv", "md", *PLOTS}
+    assert all(p.parent == out for p in paths.values())
+
+    with open(paths["csv"]) as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == 5
+    assert [float(r["speedup_vs_greedy"]) if r["speedup_vs_greedy"] else None for r in csv_rows] == \
+        [None, pytest.approx(1.8), pytest.approx(2.0), None, None]
+    assert csv_rows[0]["run"] == "a00000000001" and csv_rows[0]["gamma"] == "" and csv_rows[0]["kv_mib"] == "0.0625"
+
+    md = paths["md"].read_text().splitlines()
+    assert len(md) == 2 + 5
+    for header in ("setup", "cache", "decoder", "draft", "gamma", "TTFT ms", "ITL p50 ms", "decode tok/s",
+                   "KV MiB", "top-1 vs dense", "KL vs dense", "acceptance", "speedup vs greedy"):
+        assert f"| {header} |" in md[0]
+    assert md[3].startswith("| speculative-dense | dense | speculative | early-exit | 2 |")
+    assert md[3].endswith("| 1.8 |") and md[4].endswith("| 2 |") and md[5].endswith("| - |")
+
+    for stem in PLOTS:
+        data = paths[stem].read_bytes()
+        assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+        width, height = struct.unpack(">II", data[16:24])
+        assert width > 100 and height > 100
+
+
+def test_speculative_plot_skipped_without_counterpart(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="decodelab.report")
+    write_run(tmp_path / "g" / "0", "b00000000001", "dense")
+    paths = write_report(tmp_path / "g")
+    assert "speculative_vs_gamma" not in paths and "itl_vs_context" in paths
+    assert any("no speculative runs" in m for m in caplog.messages)
+    assert not (tmp_path / "g" / "speculative_vs_gamma.png").exists()
+
+    write_run(tmp_path / "s" / "0", "b00000000002", "paged", "speculative", 3)
+    paths = write_report(tmp_path / "s")
+    assert "speculative_vs_gamma" not in paths and "itl_vs_context" not in paths  # ITL: speculative only
+    assert any("no speculative run has a greedy run" in m for m in caplog.messages)
+
+
+def test_cli_prints_table_and_paths(sweep, capsys):
+    assert main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "| speedup vs greedy |" in out and f"wrote {sweep / 'report.csv'}" in out
+    assert (sweep / "speculative_vs_gamma.png").exists()
+
+
+def test_cli_exits_2_without_finished_runs(tmp_path):
+    write_run(tmp_path / "only" / "0", "c00000000001", "dense", complete=False)
+    for target in (tmp_path / "only", tmp_path / "missing"):
+        r = subprocess.run([sys.executable, "-m", "experiments.report", str(target)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert str(target) in r.stderr and "results.jsonl" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "only" / "report.csv").exists()
