@@ -129,21 +129,24 @@ def flat_row(run: dict, root: Path | None = None) -> dict:
     row = {"run": run.get("run"), **{k: setup.get(k) for k in SETUP_FIELDS}}
     row.update({k: metrics.get(k) for k in METRIC_FIELDS})
     row.update({k: v for k, v in metrics.items() if k not in row})
-    row.update(speedup_vs_greedy=None, n_prompts=len(run.get("prompts", [])),
+    row.update(speedup_vs_greedy=metrics.get("speedup_vs_greedy"), n_prompts=len(run.get("prompts", [])),
                finished=run.get("finished"), dir=str(path))
     return row
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """Set `speedup_vs_greedy` on each speculative row: its decode tok/s over that of the
-    greedy row with the same model, cache and workload (the newest one when several);
-    None without such a row."""
+    """Set `speedup_vs_greedy` on each speculative row that did not measure it against
+    greedy itself (bench's `compare_greedy`): its decode tok/s over that of the greedy row
+    with the same model, cache and workload (the newest one when several); None without
+    such a row."""
     greedy: dict[tuple, dict] = {}
     for r in sorted((r for r in rows if r.get("decoder") == "greedy" and not is_speculative(r)),
                     key=lambda r: str(r.get("finished"))):
         greedy[(r.get("model"), r.get("cache"), r.get("workload"))] = r
     for r in rows:
         base = greedy.get((r.get("model"), r.get("cache"), r.get("workload")))
+        if r.get("speedup_vs_greedy") is not None:  # measured side by side in the run itself
+            continue
         if is_speculative(r) and base and base.get("decode_tok_s") and r.get("decode_tok_s") is not None:
             r["speedup_vs_greedy"] = r["decode_tok_s"] / base["decode_tok_s"]
     return rows

@@ -288,4 +288,21 @@ def instantiate_unwrapped(spec):
     except InstantiationException as e:
         if isinstance(e.__cause__, SetupError):
             raise e.__cause__ from None
+        if isinstance(e.__cause__, TypeError) and "argument" in str(e.__cause__):
+            raise SetupError(_option_problem(spec, e.__cause__)) from None
         raise
+
+
+def _option_problem(spec, err: TypeError) -> str:
+    """A wrong option name or count for a config's `_target_`, with the options it takes."""
+    import inspect
+
+    from hydra.utils import get_method
+
+    target = spec.get("_target_")
+    try:
+        fn = get_method(target)
+        names = [n for n in inspect.signature(fn).parameters if n not in ("self", "layout", "batch_size", "capacity")]
+    except Exception:
+        names = []
+    return f"{target}: {err}; its options are: {', '.join(names) or 'unknown'}"

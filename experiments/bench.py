@@ -1,0 +1,297 @@
+"""Benchmark one setup on a workload; write `results.jsonl` into the Hydra run directory.
+
+    python -m experiments.bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup]
+        [workload=sharegpt workload.n=8 | workload=synthetic workload.lengths=[128,1024]
+         | workload=jsonl workload.path=prompts.jsonl] [max_new_tokens=64] [batch_size=1]
+    python -m experiments.bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
+    python -m experiments.bench -m experiment=compare          # README's main job
+
+Metrics, as serving engineers measure them: TTFT split into tokenize / prefill / first
+sampling, ITL p50/p95/p99 over every generated token, prompt and decode tokens/s, KV
+bytes by formula and allocated, peak memory (RSS; CUDA where present), the speculative
+statistics, and (`agree_with_dense`) top-1 / KL / first difference of this setup's
+logits against the dense cache, teacher-forced over the tokens it generated.
+
+Nothing is lost: the results file is written atomically when the run finishes, so an
+interrupted run leaves no half file and every finished run intact. A sweep's
+directories are stable (outputs/sweeps/<name>/<overrides>): rerunning the same sweep
+finds each finished run (same hash of the resolved config) and skips it, unless
+`redo=true`. At the end of a multirun the sweep's report (CSV, Markdown, plots) is
+written and its table printed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.agreement import compare, dense_logits, forced_logits
+from decoding.decoders import greedy
+from decoding.generate import _pct, generate
+from decoding.speculative import SpeculativeDecoder
+from decoding.text import make_cache
+from experiments import setup
+from experiments.common import run_conditions
+from models.errors import SetupError, raise_if
+from models.loading import CONF_DIR, instantiate_unwrapped
+
+log = logging.getLogger("decodelab.bench")
+RESULTS = "results.jsonl"
+NOT_HASHED = ("hydra", "redo", "progress", "name")  # change nothing that is measured
+
+
+# -- before any weights load ----------------------------------------------------------
+def check(cfg: DictConfig):
+    """Every problem of the run options, the setup and the workload, together; returns
+    the validated workload."""
+    reasons: list[str] = []
+    for key, lo in (("max_new_tokens", 1), ("batch_size", 1)):
+        if not isinstance(cfg[key], int) or cfg[key] < lo:
+            reasons.append(f"{key} must be an integer >= {lo}, got {cfg[key]!r}")
+    if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
+        reasons.append(f"threads must be null or an integer >= 1, got {cfg.threads!r}")
+    workload = None
+    for fn in (lambda: setup.check(cfg), lambda: instantiate_unwrapped(cfg.workload)):
+        try:
+            workload = fn() or workload
+        except SetupError as e:
+            reasons += e.reasons
+    raise_if(reasons)
+    return workload
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """12 hex digits of the resolved config, without the keys that change nothing measured."""
+    c = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_HASHED}
+    return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def choices() -> dict:
+    """The group options this run was composed from (cache=paged, ...)."""
+    try:
+        return dict(HydraConfig.get().runtime.choices)
+    except ValueError:  # not under Hydra (tests call run() directly)
+        return {}
+
+
+def describe(cfg: DictConfig) -> dict:
+    """The setup's names as tables show them."""
+    ch = choices()
+    spec = "speculative" in str(cfg.decoder.get("_target_", ""))
+    cache, decoder = ch.get("cache", cfg.cache._target_), ch.get("decoder", cfg.decoder._target_)
+    return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{ch.get('draft')}" if spec else ""),
+            "model": cfg.model.get("name") or ch.get("model"), "cache": cache, "decoder": decoder,
+            "draft": ch.get("draft") if spec else None, "gamma": cfg.decoder.get("gamma") if spec else None,
+            "workload": ch.get("workload"), "experiment": ch.get("experiment")}
+
+
+def finished_run(out: Path, run_hash: str) -> dict | None:
+    """The summary of a finished run of this config in `out`, if there is one."""
+    f = out / RESULTS
+    if not f.is_file():
+        return None
+    lines = f.read_text().strip().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    return last if last.get("kind") == "summary" and last.get("run") == run_hash else None
+
+
+# -- measuring --------------------------------------------------------------------------
+def measure_batch(lm, factory, decoder, reqs, cfg) -> list[dict]:
+    """Generate for one batch of requests; one record per request."""
+    tok = lm.tokenizer if any(r.ids is None for r in reqs) else None
+    t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
+    ids = [r.encode(tok) for r in reqs]
+    tokenize_s = time.perf_counter() - t0
+    cache = make_cache(lm.model, len(ids), max(map(len, ids)) + cfg.max_new_tokens + decoder.lookahead, factory)
+    res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=_eos(lm), t_start=t0,
+                   tokenize_s=tokenize_s)
+    recs = [prompt_record(res, b, r.id, ids[b], factory, lm, cfg) for b, r in enumerate(reqs)]
+    if cfg.compare_greedy and isinstance(decoder, SpeculativeDecoder):
+        plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=_eos(lm))
+        for b, rec in enumerate(recs):
+            rec["greedy"] = {"decode_s": _decode_s(plain.token_times[b]), "new_tokens": len(plain.tokens[b]),
+                             "identical": plain.tokens[b] == res.tokens[b]}
+            rec["decode_s"] = _decode_s(res.token_times[b])
+    return recs
+
+
+def _decode_s(times: list[float]) -> float:
+    """First to last generated token (the decode phase)."""
+    return times[-1] - times[0] if times else 0.0
+
+
+def _eos(lm) -> tuple[int, ...]:
+    try:
+        return lm.tokenizer.eos_ids
+    except Exception:  # a random model without a tokenizer
+        return tuple(lm.cfg.eos_ids or ())
+
+
+def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, lm, cfg) -> dict:
+    """Timings, memory, speculative statistics and agreement of row `b`."""
+    times, n = res.token_times[b], res.prompt_lengths[b]
+    itl = [y - x for x, y in zip(times, times[1:])]
+    ttft = times[0]
+    dec_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    rec = {"kind": "prompt", "prompt_id": prompt_id, "prompt_tokens": n, "new_tokens": len(res.tokens[b]),
+           "finish": res.finish_reasons[b], "tokenize_ms": 1e3 * res.tokenize_s, "prefill_ms": 1e3 * res.prefill_s,
+           "first_sample_ms": 1e3 * (ttft - res.tokenize_s - res.prefill_s), "ttft_ms": 1e3 * ttft,
+           "itl_ms": [1e3 * x for x in itl], "context": [n + i for i in range(len(itl))],
+           **{f"itl_p{q}_ms": _pct(sorted(itl), q) for q in (50, 95, 99)},
+           "decode_tok_s": len(itl) / dec_s if dec_s > 0 else None,
+           "prompt_tok_s": n / res.prefill_s if res.prefill_s > 0 else None,
+           "kv_bytes_formula": res.kv["kv_bytes_formula"], "kv_bytes_allocated": res.kv["kv_bytes_allocated"],
+           "spec": _spec(res.stats), "agreement": None}
+    if cfg.agree_with_dense and res.tokens[b]:
+        rec["agreement"] = agreement_with_dense(lm.model, factory, prompt_ids, res.tokens[b])
+    return rec
+
+
+def _spec(stats: dict) -> dict | None:
+    if "acceptance_rate" not in stats:
+        return None
+    return {"acceptance_rate": stats["acceptance_rate"], "mean_accepted": stats["tokens_per_target_call"],
+            "alpha": stats["alpha"], "predicted_speedup": stats["predicted_speedup"],
+            "acceptance_by_position": stats["acceptance_per_position"], "gamma": stats["mean_gamma"],
+            "draft_cost_ratio": stats["draft_cost_ratio"], "time_draft_s": stats["time_draft_s"],
+            "time_verify_s": stats["time_verify_s"], "time_overhead_s": stats["time_overhead_s"]}
+
+
+def agreement_with_dense(model, factory, prompt_ids: list[int], gen: list[int]) -> dict:
+    """This cache's logits vs the dense cache's over the row's own generated tokens
+    (teacher-forced); first_diff: where the output leaves dense greedy's argmax."""
+    return compare(dense_logits(model, prompt_ids, gen), forced_logits(model, factory, prompt_ids, gen), gen)
+
+
+def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
+    """The run's summary line: medians / pooled percentiles / totals over its prompts."""
+    itl = sorted(x / 1e3 for r in recs for x in r["itl_ms"])
+    dec_tokens = sum(len(r["itl_ms"]) for r in recs)
+    dec_s = sum(r["itl_ms"] and sum(r["itl_ms"]) / 1e3 for r in recs)
+    pre_s = sum(r["prefill_ms"] for r in recs) / 1e3
+    spec = [r["spec"] for r in recs if r["spec"]]
+    agree = [r["agreement"] for r in recs if r["agreement"]]
+    mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
+    metrics = {
+        "ttft_ms": statistics.median(r["ttft_ms"] for r in recs),
+        **{f"itl_p{q}_ms": _pct(itl, q) for q in (50, 95, 99)},
+        "decode_tok_s": dec_tokens / dec_s if dec_s else None,
+        "prompt_tok_s": sum(r["prompt_tokens"] for r in recs) / pre_s if pre_s else None,
+        "kv_mib": max(r["kv_bytes_allocated"] for r in recs) / 2**20,
+        "kv_mib_formula": max(r["kv_bytes_formula"] for r in recs) / 2**20,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        **{k: mean([s[k] for s in spec]) for k in ("acceptance_rate", "mean_accepted", "alpha")},
+        "predicted_speedup": mean([s["predicted_speedup"] for s in spec if s["predicted_speedup"]]),
+        "agree_top1": mean([a["top1"] for a in agree]), "agree_kl": mean([a["kl"] for a in agree]),
+        "agree_max_abs_dlogit": max((a["max_abs_dlogit"] for a in agree), default=None),
+        "prompts": len(recs), "new_tokens": sum(r["new_tokens"] for r in recs),
+    }
+    plain = [r for r in recs if r.get("greedy")]
+    if plain:  # measured side by side, prompt by prompt, in this run
+        spec_s = sum(r["decode_s"] for r in plain)
+        metrics["speedup_vs_greedy"] = sum(r["greedy"]["decode_s"] for r in plain) / spec_s if spec_s else None
+        metrics["greedy_identical"] = sum(r["greedy"]["identical"] for r in plain) / len(plain)
+        if metrics["speedup_vs_greedy"] and metrics["predicted_speedup"]:
+            metrics["efficiency"] = metrics["speedup_vs_greedy"] / metrics["predicted_speedup"]
+    cond = {**run_conditions(lm.model), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
+    return {"kind": "summary", "run": run_hash, "finished": datetime.now(timezone.utc).isoformat(),
+            "setup": describe(cfg), "metrics": metrics, "conditions": cond,
+            "config": OmegaConf.to_container(cfg, resolve=True)}
+
+
+def write_atomic(path: Path, lines: list[dict]) -> None:
+    """All lines or nothing: a temporary file renamed over `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        for rec in lines:
+            fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def batches(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def run(cfg: DictConfig, out: Path) -> dict:
+    """Check, skip when already done, load, measure, write; returns the summary."""
+    workload = check(cfg)  # before any weights load
+    run_hash = config_hash(cfg)
+    done = None if cfg.redo else finished_run(out, run_hash)
+    if done is not None:
+        log.info("already done (run %s, finished %s): %s; redo=true reruns it", run_hash, done["finished"],
+                 out / RESULTS)
+        return done
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    lm = instantiate_unwrapped(cfg.model)
+    factory, decoder = setup.build(cfg, lm)
+    reqs = workload(lm)
+    log.info("run %s: %s on %d prompts (%s) -> %s", run_hash, describe(cfg)["name"], len(reqs),
+             choices().get("workload"), out)
+    if cfg.warmup:
+        warm = reqs[0].encode(lm.tokenizer if reqs[0].ids is None else None)[:16]
+        generate(lm.model, make_cache(lm.model, 1, 16 + 4 + decoder.lookahead, factory), decoder, [warm], 4)
+    recs = []
+    for group in _progress(batches(reqs, cfg.batch_size), cfg.progress):
+        recs += measure_batch(lm, factory, decoder, group, cfg)
+    for r in recs:
+        r["run"] = run_hash
+    summary = summarize(recs, cfg, run_hash, lm)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / RESULTS, recs + [summary])
+    log.info("wrote %s: %s", out / RESULTS, {k: v for k, v in summary["metrics"].items() if v is not None})
+    return summary
+
+
+def _progress(items: list, on: bool):
+    if not on or len(items) < 2:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="prompts", unit="batch", file=sys.stderr)
+
+
+class ReportCallback(Callback):
+    """At the end of a multirun: the sweep's report (CSV, Markdown, plots) and its table."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from experiments.report import NoRunsError, load_runs, markdown_table, table_rows, write_report
+
+        root = Path(config.hydra.sweep.dir)
+        try:
+            paths = write_report(root)
+        except NoRunsError as e:
+            log.warning("no report: %s", e)
+            return
+        print(markdown_table(table_rows(load_runs(root), root)))
+        print(f"\nresults: {root}/**/{RESULTS}\nreport: " + ", ".join(str(p) for p in paths.values()))
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
