@@ -45,6 +45,7 @@ from decoding.generate import _pct, generate
 from decoding.speculative import SpeculativeDecoder
 from decoding.text import make_cache
 from experiments import setup
+from experiments.cli import precheck
 from experiments.common import run_conditions
 from models.errors import SetupError, raise_if
 from models.loading import CONF_DIR, instantiate_unwrapped
@@ -293,5 +294,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry: every bad config-group option reported with the other problems."""
+    precheck(sys.argv[1:], "config", check)
     main()
+
+
+if __name__ == "__main__":
+    cli()

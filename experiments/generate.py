@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from decoding.generate import generate
 from decoding.text import make_cache
 from experiments import setup
+from experiments.cli import precheck
 from experiments.common import run_conditions
 from models.errors import SetupError
 from models.loading import CONF_DIR, instantiate_unwrapped
@@ -114,5 +115,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry: every bad config-group option reported with the other problems."""
+    precheck(sys.argv[1:], "config", setup.check)
     main()
+
+
+if __name__ == "__main__":
+    cli()
