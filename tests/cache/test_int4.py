@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from optimum import quanto
 from optimum.quanto import quantize_weight
 
 from cache.base import CacheLayout
@@ -83,7 +84,7 @@ def test_dequantize_matches_quanto(axis, nbits):
     g = Grouping(axis, 32, nbits)
     x = torch.randn(2, 64, 64) * 3 + 1  # [H, N, D]
     s = quantize(x, g, torch.float32)
-    ref = quantize_weight(g.columns(x), QTYPES[nbits], -1, columns(s.scale, g), -columns(s.offset, g), 32,
+    ref = quantize_weight(g.columns(x), getattr(quanto, QTYPES[nbits]), -1, columns(s.scale, g), -columns(s.offset, g), 32,
                           optimized=False)
     assert torch.equal(ref._data._data, columns(s.data, g))  # quanto's bytes, stored as they are
     torch.testing.assert_close(g.columns(dequantized(x, g, torch.float32)), ref.dequantize(), rtol=1e-6, atol=1e-5)
