@@ -74,6 +74,8 @@ from dataclasses import dataclass
 import torch
 
 from cache.base import CacheLayout, KVCache, is_plain_causal, reference_attention
+from cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
+from cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
 from models.errors import SetupError, raise_if
 
 QTYPES = {4: "qint4", 2: "qint2"}  # nbits -> optimum-quanto qtype (imported on first use: 2.5 s)
@@ -255,16 +257,16 @@ class QuantizedCache(KVCache):
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, nbits: int = 4,
                  group_size: int = 64, residual: int = 112, key_axis: str = "channel",
                  value_axis: str = "token", flush: int | None = None, scale_dtype: str = "float16",
-                 rollback: int = 16):
+                 rollback: int = 16, impl: str = "auto"):
         flush = group_size if flush is None else flush
         reasons = option_problems(layout, nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype,
-                                  rollback)
+                                  rollback) + impl_problems(impl, layout.device)
         try:
             super().__init__(layout, batch_size, capacity)
         except SetupError as e:
             reasons = e.reasons + reasons
         raise_if(reasons)
-        self.rollback_limit = rollback
+        self.rollback_limit, self.impl = rollback, resolve_impl(impl, layout.device)  # impl: cache/kernels/dispatch
         self.residual, self.flush, self.nbits = residual, flush, nbits
         self.scale_dtype = SCALE_DTYPES[scale_dtype]
         D = layout.head_dim
@@ -326,6 +328,8 @@ class QuantizedCache(KVCache):
         self._plan = Plan(n.tolist(), self.p0.tolist(), self.qs.tolist(), q_to.tolist(), (p0_new - self.p0).tolist(),
                           views)
         self.qs, self.p0 = q_to, p0_new  # what every layer holds once this forward is done
+        kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C)  # decode-sized: one view, the kernel
+        self._kernel_q = kernel_queries(self) if kernel else None  # ([B, T] positions, their V(q))
 
     def _view(self, window, qeff, vis, a: int) -> View:
         """Key slots of every row for the queries qeff [B, t] (columns a..a+t) in one window,
@@ -366,6 +370,11 @@ class QuantizedCache(KVCache):
         self._store(layer, k, v)
         outs = []
         for view in self._plan.views[self.layout.windows[layer]]:  # one, unless the forward is long
+            if self._kernel_q is not None:
+                outs.append(int4_attention_triton(q, cache_rows(self, layer, view), *self._kernel_q,
+                                                  self.layout.softmax_scale, self.layout.windows[layer],
+                                                  self.layout.softcap))
+                continue
             kbuf, vbuf = self._gather(layer, view)
             outs.append(reference_attention(q[:, :, view.a:view.b], kbuf, vbuf, view.mask, self.layout.softmax_scale,
                                             self.layout.softcap, view.causal))

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
+from cache.kernels.paged import paged_attention_triton
 from models.errors import SetupError, raise_if
 
 
@@ -114,17 +116,18 @@ class PagedCache(KVCache):
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
                  num_blocks: int | None = None, memory_budget_mb: float | None = None,
-                 prefix_caching: bool = True):
-        reasons = []
+                 prefix_caching: bool = True, impl: str = "auto"):
+        reasons = impl_problems(impl, layout.device)
         try:
             super().__init__(layout, batch_size, capacity)
         except SetupError as e:
-            reasons += e.reasons
+            reasons = e.reasons + reasons
         self.block_size = block_size
         self.block_bytes = layout.bytes_per_token() * block_size  # K and V of one block, all layers
         n, more = self._pool_size(batch_size, capacity, num_blocks, memory_budget_mb)
         raise_if(reasons + more)
         self.num_blocks, self.prefix_caching = n, prefix_caching
+        self.impl = resolve_impl(impl, layout.device)  # decode attention: cache/kernels/dispatch.py
         shape = (layout.n_kv_heads, n, block_size, layout.head_dim)
         kw = dict(dtype=layout.dtype, device=layout.device)
         self._kh = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [Hkv, N, bs, D] storage
@@ -172,6 +175,15 @@ class PagedCache(KVCache):
             self.lengths = before
             raise
         self._write_index()
+        self._kernel = self._kernel_inputs() if self.impl == "triton" and self._qpos.shape[1] <= DECODE_QUERIES else None
+
+    def _kernel_inputs(self) -> tuple:
+        """The Triton kernel's per-forward arguments: block table [B, M], query positions
+        [B, T] and lengths [B] on the device, and its split-K count for the longest row."""
+        dev, hkv = self.layout.device, self.layout.n_kv_heads
+        splits = split_count(self.batch_size * hkv, int(self.lengths.max()), dev)
+        return (self.table.to(dev, torch.int32), self._qpos.to(dev, torch.int32), self.lengths.to(dev, torch.int32),
+                splits)
 
     def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [K] and block indices [K] that this forward's valid positions write."""
@@ -312,8 +324,12 @@ class PagedCache(KVCache):
             if self._wsrc is not None:
                 src = src.index_select(0, self._wsrc)
             flat.index_copy_(0, self._wdst, src)
-        r = self._reads(self.layout.windows[layer])
         scale, cap = self.layout.softmax_scale, self.layout.softcap
+        if self._kernel is not None:  # decode-sized: the kernel reads the blocks in place
+            table, qpos, lengths, splits = self._kernel
+            return paged_attention_triton(q, self._kh[layer], self._vh[layer], table, qpos, lengths, scale,
+                                          self.layout.windows[layer], cap, splits)
+        r = self._reads(self.layout.windows[layer])
         if r.causal:  # the keys are exactly the new tokens
             return reference_attention(q, k, v, None, scale, cap, causal=True)
         return reference_attention(q, *self._keys(layer, r), r.mask, scale, cap)

@@ -1,0 +1,107 @@
+"""INT4 decode attention over what the int4 cache stores (cache/int4.py): per row, the
+quantized store (quanto-packed codes, scales and offsets of positions [0, Qs)) and the
+exact store (positions [p0, len) in the layout's dtype).
+
+The visibility rule is the cache's: a query at q sees positions below V(q) (`vis`)
+dequantized and [V(q), q] exact, inside its window. Per row the keys read are
+[lo, qa) from the quantized store and [fs, hi) from the exact one (the cache's `View`);
+the mask then picks, per query, exactly one version of every position. The reference
+dequantizes into a scratch buffer and runs `reference_attention`; the Triton kernel
+(int4_triton.py) unpacks the codes in registers, split-K over the quantized range.
+Both cover the full rule (any number of queries), so the cache needs no fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache.base import reference_attention
+
+if TYPE_CHECKING:  # cache.int4 imports this module
+    from cache.int4 import Grouping, QStore
+
+
+@dataclass
+class Int4Rows:
+    """One layer of an int4 cache as the kernels read it, and each row's key spans."""
+
+    kq: list[QStore]  # per row: quantized keys of positions [0, Qs) (Qs >= qa)
+    vq: list[QStore]
+    kr: list[torch.Tensor]  # per row [Hkv, E, D]: exact keys of positions [p0, p0 + E)
+    vr: list[torch.Tensor]
+    p0: list[int]  # per row: first position of the exact store
+    kg: Grouping  # how keys and values are grouped (axis, group size, bits)
+    vg: Grouping
+    lo: list[int]  # per row: dequantized positions [lo, qa) are read
+    qa: list[int]
+    fs: list[int]  # per row: exact positions [fs, hi) are read (hi = last query + 1)
+    hi: list[int]
+
+
+def row_keys(rows: Int4Rows, b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row b's key positions [S] and keys, values [Hkv, S, D]: dequantized [lo, qa), then exact [fs, hi)."""
+    from cache.int4 import dequantize_into
+
+    lo, qa, fs, hi, p0 = rows.lo[b], rows.qa[b], rows.fs[b], rows.hi[b], rows.p0[b]
+    exact = (rows.kr[b], rows.vr[b])
+    H, _, D = exact[0].shape
+    out = []
+    for g, store, full in ((rows.kg, rows.kq[b], exact[0]), (rows.vg, rows.vq[b], exact[1])):
+        buf = torch.empty(H, qa - lo + hi - fs, D, dtype=dtype, device=full.device)  # [H, S, D]
+        if qa > lo:
+            dequantize_into(g.region(buf, qa - lo), g.span(store, lo, qa), g)
+        buf[:, qa - lo:].copy_(full[:, fs - p0:hi - p0])
+        out.append(buf)
+    dev = exact[0].device
+    return torch.cat((torch.arange(lo, qa, device=dev), torch.arange(fs, hi, device=dev))), out[0], out[1]
+
+
+def int4_attention_reference(
+    q: torch.Tensor,  # [B, Hq, T, D]
+    rows: Int4Rows,
+    qpos: torch.Tensor,  # [B, T] int: query positions (padding queries: the row's last)
+    vis: torch.Tensor,  # [B, T] int: V(q), the query's first exact position
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,  # kernel tuning (quantized-range splits); no effect on the result
+) -> torch.Tensor:
+    """Attention [B, Hq, T, D]: the query at q over positions p <= q inside its window,
+    dequantized where p < V(q), exact where p >= V(q). A query that sees no key gets zeros."""
+    outs = []
+    for b in range(q.shape[0]):
+        kpos, k, v = row_keys(rows, b, q.dtype)  # [S], [Hkv, S, D]
+        isq = torch.arange(kpos.shape[0], device=kpos.device) < rows.qa[b] - rows.lo[b]  # [S]
+        qp, vq = qpos[b].to(kpos.device)[:, None], vis[b].to(kpos.device)[:, None]  # [T, 1]
+        mask = (kpos <= qp) & torch.where(isq, kpos < vq, kpos >= vq)  # [T, S]
+        if window is not None:
+            mask &= kpos > qp - window
+        out = reference_attention(q[b:b + 1], k[None], v[None], mask[None, None], scale, softcap)
+        outs.append(out.masked_fill(~mask.any(-1)[None, None, :, None], 0.0))
+    return torch.cat(outs)
+
+
+def int4_attention_triton(q, rows, qpos, vis, scale, window=None, softcap=None, num_splits=None) -> torch.Tensor:
+    """The Triton kernel of `int4_attention_reference` (same arguments, same result, up to
+    float rounding); `num_splits` None picks the quantized-range splits that fill the GPU."""
+    from cache.kernels import int4_triton  # triton is imported here, at first use
+
+    return int4_triton.int4_attention(q, rows, qpos, vis, scale, window, softcap, num_splits)
+
+
+def cache_rows(cache, layer: int, view) -> Int4Rows:
+    """What `QuantizedCache.attend` hands the kernel for one layer and one view of the forward."""
+    p0 = cache._plan.p0  # the exact stores' start during this forward's attention
+    return Int4Rows(cache.kq[layer], cache.vq[layer], cache.kr[layer], cache.vr[layer], p0, cache.kg, cache.vg,
+                    view.lo, view.qa, view.fs, view.hi)
+
+
+def kernel_queries(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """This forward's query positions [B, T] (padding acts as the row's last, as in the
+    cache's plan) and their V(q), on the cache's device as int32."""
+    qeff = torch.where(cache._valid, cache._qpos, cache.lengths[:, None] - 1)  # [B, T]
+    dev = cache.layout.device
+    return qeff.to(dev, torch.int32), cache.quantized_prefix(qeff).to(dev, torch.int32)

@@ -1,0 +1,50 @@
+"""Paged decode attention: queries over K/V read through a block table from the paged
+cache's heads-major pools (cache/paged.py). The reference gathers every slot the table
+can address and runs `reference_attention`; the Triton kernel (paged_triton.py) reads
+the blocks in place, split-K over the key range for long contexts. Same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache.base import reference_attention
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [B, Hq, T, D] queries (T = 1, or gamma + 1 when verifying)
+    k_pool: torch.Tensor,  # [Hkv, N, bs, D] one layer's keys, heads-major
+    v_pool: torch.Tensor,  # [Hkv, N, bs, D]
+    table: torch.Tensor,  # [B, M] int: block of positions [i * bs, (i + 1) * bs) of row b; -1: none
+    qpos: torch.Tensor,  # [B, T] int: the queries' positions
+    kv_len: torch.Tensor,  # [B] int: row b holds positions [0, kv_len[b])
+    scale: float,
+    window: int | None = None,  # a query at q sees keys p with q - p < window
+    softcap: float | None = None,
+    num_splits: int | None = None,  # kernel tuning (split-K); no effect on the result
+) -> torch.Tensor:
+    """Attention [B, Hq, T, D] of each query over its row's keys p <= q (and inside the
+    window): causal within the new tokens too. A query that sees no key gets zeros."""
+    Hkv, N, bs, D = k_pool.shape
+    dev = q.device
+    kpos = torch.arange(table.shape[1] * bs, device=dev)  # [S] every position the table addresses
+    blocks = table.to(dev).long()[:, kpos // bs]  # [B, S]
+    held = (blocks >= 0) & (kpos[None] < kv_len.to(dev)[:, None])  # [B, S]
+    heads = torch.arange(Hkv, device=dev)[None, :, None]  # [1, Hkv, 1]
+    flat = (heads * N + blocks.clamp(min=0)[:, None]) * bs + kpos % bs  # [B, Hkv, S] rows of [Hkv*N*bs, D]
+    k, v = k_pool.reshape(-1, D)[flat], v_pool.reshape(-1, D)[flat]  # [B, Hkv, S, D]
+    qp = qpos.to(dev)[..., None]  # [B, T, 1]
+    mask = held[:, None, :] & (kpos <= qp)  # [B, T, S]
+    if window is not None:
+        mask &= kpos > qp - window
+    out = reference_attention(q, k, v, mask[:, None], scale, softcap)
+    return out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)
+
+
+def paged_attention_triton(q, k_pool, v_pool, table, qpos, kv_len, scale, window=None, softcap=None,
+                           num_splits=None) -> torch.Tensor:
+    """The Triton kernel of `paged_attention_reference` (same arguments, same result);
+    `num_splits` None picks a split-K count that fills the GPU."""
+    from cache.kernels import paged_triton  # triton is imported here, at first use
+
+    return paged_triton.paged_attention(q, k_pool, v_pool, table, qpos, kv_len, scale, window, softcap, num_splits)
