@@ -1,0 +1,139 @@
+"""experiments.bench end to end on tiny models: a sweep into a report, skipping finished
+runs, surviving kill -9, bad configs refused whole; and its metrics in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.bench import RESULTS, config_hash, run
+from experiments.report import load_runs
+from models.loading import CONF_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny-llama", "model.device=cpu", "draft.layers=1", "progress=false", "warmup=false"]
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Write a haiku about the sea.",
+                                                                 "Name three prime numbers and why.")) + "\n")
+    return f
+
+
+def bench(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments.bench", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, **kw)
+
+
+def results(root: Path) -> dict[Path, dict]:
+    """Finished runs under root: results file -> its summary line."""
+    return {f: json.loads(f.read_text().splitlines()[-1]) for f in root.rglob(RESULTS)}
+
+
+def test_sweep_every_cache_and_decoder_into_a_report_then_rerun_skips(tmp_path, prompts):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *TINY, "workload=jsonl", f"workload.path={prompts}", "max_new_tokens=6",
+            "cache=dense,paged,int4,sliding", "decoder=greedy,speculative", f"hydra.sweep.dir={sweep}"]
+    p = bench(*args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = results(sweep)
+    assert len(runs) == 8
+    for f, s in runs.items():
+        m, lines = s["metrics"], f.read_text().splitlines()
+        assert s["kind"] == "summary" and len(lines) == 3  # 2 prompts + the summary
+        assert m["prompts"] == 2 and m["new_tokens"] == 12 and m["ttft_ms"] > 0 and m["kv_mib"] > 0
+        assert m["agree_top1"] == 1.0 and m["agree_max_abs_dlogit"] <= 1e-4  # tiny prompts: int4 stays exact
+        spec = s["setup"]["decoder"] == "speculative"
+        assert (m["acceptance_rate"] is not None) == spec and (s["setup"]["gamma"] == 4) == spec
+        for line in lines[:-1]:
+            rec = json.loads(line)
+            assert rec["agreement"]["first_diff"] is None  # greedy and greedy speculative: dense's argmax
+            assert len(rec["itl_ms"]) == len(rec["context"]) == rec["new_tokens"] - 1
+            assert rec["ttft_ms"] >= rec["tokenize_ms"] + rec["prefill_ms"]
+    md = (sweep / "report.md").read_text()
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 8 + 1  # header + one row per run
+    assert (sweep / "report.csv").is_file() and (sweep / "ttft_vs_prompt_len.png").is_file()
+    for cache in ("dense", "paged", "int4", "sliding"):
+        assert f"| {cache}/greedy |" in md and f"| {cache}/speculative/early-exit |" in md
+
+    before = {f: f.stat().st_mtime_ns for f in runs}
+    again = bench(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (again.stdout + again.stderr).count("already done") == 8
+    assert {f: f.stat().st_mtime_ns for f in results(sweep)} == before
+    assert len(load_runs(sweep)) == 8
+
+
+def test_kill_9_mid_sweep_keeps_finished_runs_and_the_rerun_completes_the_rest(tmp_path, prompts):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *TINY, "workload=jsonl", f"workload.path={prompts}", "max_new_tokens=40",
+            "cache=dense,paged,int4,sliding", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.bench", *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not results(sweep) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = results(sweep)
+    assert 1 <= len(done) < 4, "the kill should land mid-sweep"
+    assert not list(sweep.rglob("*.tmp"))[1:]  # at most the one being written, never a half results.jsonl
+    before = {f: f.stat().st_mtime_ns for f in done}
+
+    p = bench(*args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (p.stdout + p.stderr).count("already done") == len(done)
+    after = results(sweep)
+    assert len(after) == 4 and all(after[f]["run"] == done[f]["run"] for f in done)
+    assert {f: f.stat().st_mtime_ns for f in done} == before
+    runs = load_runs(sweep)
+    assert len(runs) == 4 and len({r["run"] for r in runs}) == 4
+
+
+def test_bad_config_fails_fast_with_every_reason_and_no_traceback():
+    t = time.perf_counter()
+    p = bench("cache=pagd", "decoder=speculative", "decoder.gamma=0", "decoder.temperature=-1")
+    p2 = bench("cache=int4", "cache.nbits=3", "decoder=speculative", "decoder.gamma=0", "decoder.temperature=-1")
+    elapsed = time.perf_counter() - t
+    for proc, n in ((p, 3), (p2, 3)):
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert f"invalid setup ({n} problem(s))" in proc.stderr, proc.stderr
+    assert "no such cache; the options are dense, int4, paged, sliding" in p.stderr
+    assert "nbits must be one of [2, 4]" in p2.stderr and "gamma must be" in p2.stderr
+    assert "Loading weights" not in p.stderr + p2.stderr
+    print(f"two refused configs in {elapsed:.1f} s")
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_batch_rows_and_side_by_side_greedy(tmp_path, prompts):
+    cfg = config(*[a for a in TINY if not a.startswith("draft.")], "workload=jsonl", f"workload.path={prompts}", "max_new_tokens=8", "batch_size=2",
+                 "decoder=speculative", "draft=prompt-lookup", "compare_greedy=true", "cache=paged")
+    s = run(cfg, tmp_path)
+    recs = [json.loads(x) for x in (tmp_path / RESULTS).read_text().splitlines()[:-1]]
+    assert [r["prompt_id"] for r in recs] == ["prompts-0", "prompts-1"]
+    assert all(r["greedy"]["identical"] for r in recs)  # greedy speculative == greedy, row by row
+    m = s["metrics"]
+    assert m["greedy_identical"] == 1.0 and m["speedup_vs_greedy"] > 0
+    assert m["efficiency"] == pytest.approx(m["speedup_vs_greedy"] / m["predicted_speedup"])
+    assert s["conditions"]["batch"] == 2 and s["setup"]["cache"] in ("paged", "cache.paged.PagedCache")
+
+
+def test_config_hash_ignores_bookkeeping_only():
+    a = config(*TINY)
+    assert config_hash(a) == config_hash(config(*TINY, "redo=true", "name=other", "progress=true"))
+    assert config_hash(a) != config_hash(config(*TINY, "cache=paged"))
+    assert config_hash(a) != config_hash(config(*TINY, "max_new_tokens=7"))
