@@ -1,0 +1,166 @@
+"""Kernel-vs-reference cases, shared by tests/cache/test_kernels.py (on the CPU under the
+Triton interpreter, in a subprocess) and experiments/gpu_check.py (on CUDA).
+
+Every case draws fresh random inputs, runs the Triton path and the torch reference on
+them, and returns both outputs; `run_cases` reports the max abs error against the
+tolerance of the dtype (fp32 1e-4, bf16 2e-2). Block tables are random permutations of
+the pool (non-consecutive blocks), unused blocks hold a large poison value, and rows
+have different lengths.
+
+    TRITON_INTERPRET=1 python -m cache.kernels.check            # every case on the CPU, JSON out
+    python -m cache.kernels.check device=cuda dtypes=bfloat16   # on a GPU
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cache.base import CacheLayout
+from cache.kernels.int4 import cache_rows, int4_attention_reference, int4_attention_triton, kernel_queries
+from cache.kernels.paged import paged_attention_reference, paged_attention_triton
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def paged_case(device, dtype, B=3, Hq=4, Hkv=2, D=16, bs=4, lengths=(5, 37, 20), T=1, window=None, softcap=None,
+               splits=None, seed=0):
+    """Kernel and reference outputs [B, Hq, T, D] for the last T positions of each row."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(n / bs) for n in lengths]
+    N = sum(need) + 3  # spare blocks, poisoned
+    order = torch.randperm(N, generator=g)
+    table = torch.full((B, max(need) + 1), -1, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[used:used + n]
+        used += n
+    pools = [torch.randn(Hkv, N, bs, D, generator=g) for _ in range(2)]
+    for p in pools:
+        p[:, order[used:]] = 1e4  # never read: a kernel reading a wrong block shows it
+    k, v = (p.to(device, dtype) for p in pools)
+    kv_len = torch.tensor(lengths)
+    qpos = (kv_len[:, None] - T + torch.arange(T)).clamp(min=0)  # [B, T]
+    q = torch.randn(B, Hq, T, D, generator=g).to(device, dtype)
+    args = (q, k, v, table.to(device), qpos.to(device), kv_len.to(device), D**-0.5, window, softcap, splits)
+    return paged_attention_triton(*args), paged_attention_reference(*args)
+
+
+def int4_case(device, dtype, B=2, Hq=4, Hkv=2, D=32, lengths=(100, 150), T=1, window=None, softcap=None,
+              splits=None, seed=0, **options):
+    """Kernel and reference outputs for T new queries per row of an int4 cache that holds
+    `lengths` tokens (stored as the cache stores them: quantized blocks + exact store)."""
+    from cache.int4 import QuantizedCache
+
+    g = torch.Generator().manual_seed(seed)
+    opts = dict(nbits=4, group_size=32, residual=8, flush=32, key_axis="channel", value_axis="token", rollback=4)
+    opts.update(options)
+    layout = CacheLayout(1, Hkv, D, dtype, torch.device(device), (window,), D**-0.5, softcap)
+    c = QuantizedCache(layout, B, max(lengths) + T, impl="reference", **opts)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    pos = torch.arange(max(lengths)).expand(B, -1)
+    c.prepare(pos, pos < torch.tensor(lengths)[:, None])  # right-padded prompt
+    c._store(0, rand(B, Hkv, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D))
+    c._flush(0)
+    c.prepare(c.lengths[:, None] + torch.arange(T))  # the decode / verification forward
+    c._store(0, rand(B, Hkv, T, D), rand(B, Hkv, T, D))
+    rows = cache_rows(c, 0, c._plan.views[window][0])
+    args = (rand(B, Hq, T, D), rows, *kernel_queries(c), D**-0.5, window, softcap, splits)
+    return int4_attention_triton(*args), int4_attention_reference(*args)
+
+
+def cache_case(device, dtype, backend="paged", windows=(None, 7), T=3, seed=0, **options):
+    """Whole-cache agreement: two caches of one backend, impl=triton and impl=reference,
+    through a padded prefill (reference path), decode steps of T and 1 queries, a rollback
+    and more decoding; the outputs of valid queries of every decode step, stacked."""
+    from cache.int4 import QuantizedCache
+    from cache.paged import PagedCache
+
+    g = torch.Generator().manual_seed(seed)
+    Hkv, Hq, D, B = 2, 6, 32, 3
+    layout = CacheLayout(len(windows), Hkv, D, dtype, torch.device(device), windows, D**-0.5)
+    if backend == "paged":
+        make = lambda impl: PagedCache(layout, B, 96, block_size=8, impl=impl, **options)  # noqa: E731
+    else:
+        opts = dict(group_size=32, residual=8, flush=32, rollback=4) | options
+        make = lambda impl: QuantizedCache(layout, B, 96, impl=impl, **opts)  # noqa: E731
+    caches = [make("triton"), make("reference")]
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    got, want = [], []
+
+    def forward(positions, valid=None, keep=False):
+        qkv = [(rand(B, Hq, positions.shape[1], D), rand(B, Hkv, positions.shape[1], D),
+                rand(B, Hkv, positions.shape[1], D)) for _ in windows]
+        for c, sink in zip(caches, (got, want)):
+            c.prepare(positions, valid)
+            outs = [c.attend(layer, *qkv[layer], positions.to(device)) for layer in range(len(windows))]
+            if keep:
+                sink.append(torch.stack(outs))
+    pos = torch.arange(50).expand(B, -1)
+    forward(pos, pos < torch.tensor([[21], [50], [34]]))
+    for step in (T, 1, 1):
+        forward(caches[0].lengths[:, None] + torch.arange(step), keep=True)
+    back = (caches[0].lengths - torch.tensor([2, 1, 0])).tolist()  # a speculative-style rollback
+    for c in caches:
+        c.truncate(back)
+    forward(caches[0].lengths[:, None] + torch.arange(T), keep=True)
+    return torch.cat([x.flatten() for x in got]), torch.cat([x.flatten() for x in want])
+
+
+@dataclass
+class Case:
+    name: str
+    run: Callable
+    options: dict = field(default_factory=dict)
+
+
+CASES = [
+    Case("paged-q1", paged_case),
+    Case("paged-q1-split3", paged_case, dict(splits=3)),
+    Case("paged-q4-causal", paged_case, dict(T=4, splits=2)),
+    Case("paged-window", paged_case, dict(T=3, window=7, splits=2)),
+    Case("paged-softcap", paged_case, dict(T=2, softcap=20.0)),
+    Case("paged-gqa4-d64-bs16", paged_case, dict(Hq=8, Hkv=2, D=64, bs=16, lengths=(100, 33), B=2, T=5, splits=4)),
+    Case("paged-mqa-short", paged_case, dict(Hq=3, Hkv=1, lengths=(1, 2, 9), T=1)),
+    Case("int4-decode", int4_case),
+    Case("int4-verify-token-channel", int4_case, dict(T=4, key_axis="token", value_axis="channel")),
+    Case("int4-window", int4_case, dict(T=2, window=40, splits=2)),
+    Case("int4-qint2-gqa3", int4_case, dict(Hq=6, nbits=2, T=3)),
+    Case("int4-short-rows", int4_case, dict(lengths=(3, 70), T=2)),
+    Case("int4-softcap-splits3", int4_case, dict(softcap=20.0, splits=3)),
+    Case("paged-cache", cache_case, dict(backend="paged")),
+    Case("int4-cache", cache_case, dict(backend="int4")),
+]
+
+
+def run_cases(device="cpu", dtypes=(torch.float32,), cases=CASES) -> list[dict]:
+    """Every case in every dtype: max abs error of the kernel against the reference."""
+    results = []
+    for dtype in dtypes:
+        for case in cases:
+            t0 = time.perf_counter()
+            got, want = case.run(device, dtype, **case.options)
+            err = (got.float() - want.float()).abs().max().item()
+            results.append({"case": case.name, "dtype": str(dtype).removeprefix("torch."), "max_abs_err": err,
+                            "tol": TOLERANCE[dtype], "finite": bool(got.isfinite().all()),
+                            "ok": bool(got.isfinite().all()) and err <= TOLERANCE[dtype],
+                            "seconds": round(time.perf_counter() - t0, 3)})
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """key=value arguments: device (cpu), dtypes (float32,bfloat16). Prints JSON."""
+    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
+    dtypes = [DTYPES[d] for d in args.get("dtypes", "float32,bfloat16").split(",")]
+    print(json.dumps(run_cases(args.get("device", "cpu"), dtypes), indent=1))
+
+
+if __name__ == "__main__":
+    main()
