@@ -13,7 +13,7 @@ from cache.base import reference_attention
 
 def paged_attention_reference(
     q: torch.Tensor,  # [B, Hq, T, D] queries (T = 1, or gamma + 1 when verifying)
-    k_pool: torch.Tensor,  # [Hkv, N, bs, D] one layer's keys, heads-major
+    k_pool: torch.Tensor,  # [Hkv, N, bs, D] one layer's keys, heads-major (any strides, rows of D contiguous)
     v_pool: torch.Tensor,  # [Hkv, N, bs, D]
     table: torch.Tensor,  # [B, M] int: block of positions [i * bs, (i + 1) * bs) of row b; -1: none
     qpos: torch.Tensor,  # [B, T] int: the queries' positions
@@ -31,8 +31,8 @@ def paged_attention_reference(
     blocks = table.to(dev).long()[:, kpos // bs]  # [B, S]
     held = (blocks >= 0) & (kpos[None] < kv_len.to(dev)[:, None])  # [B, S]
     heads = torch.arange(Hkv, device=dev)[None, :, None]  # [1, Hkv, 1]
-    flat = (heads * N + blocks.clamp(min=0)[:, None]) * bs + kpos % bs  # [B, Hkv, S] rows of [Hkv*N*bs, D]
-    k, v = k_pool.reshape(-1, D)[flat], v_pool.reshape(-1, D)[flat]  # [B, Hkv, S, D]
+    at = (heads, blocks.clamp(min=0)[:, None], (kpos % bs)[None, None])  # broadcast to [B, Hkv, S]
+    k, v = k_pool[at], v_pool[at]  # [B, Hkv, S, D]
     qp = qpos.to(dev)[..., None]  # [B, T, 1]
     mask = held[:, None, :] & (kpos <= qp)  # [B, T, S]
     if window is not None:

@@ -1,0 +1,163 @@
+"""A static-shape decode step for the GPU: one token per row through a dense or paged
+cache, captured once as a CUDA graph (optionally torch.compile'd first) and replayed, so
+that small models are not bound by kernel-launch overhead.
+
+Why a separate path: the caches' own `prepare` / `attend` plan every forward on the host
+(Python ints, key spans that grow with the context). That is right for the reference,
+but a graph replays fixed device work. So the host still does the bookkeeping that must
+happen, `cache.prepare` (lengths, the paged block allocation), before each replay; inside
+the graph `StaticAttention` stands in for the cache: it writes the new K/V at device-side
+positions and attends with the block-table kernel (cache/kernels/paged.py) over storage
+of fixed shape, the whole capacity with a fixed split-K count, masked by each row's
+length. A dense cache [B, Hkv, S, D] is read as a pool of blocks of its own rows (an
+identity block table), so both backends share that one kernel (its torch reference off
+CUDA). Shapes never change, so one capture serves every step.
+
+Supported: `dense` and `paged` (static storage). `int4` (per-row stores that grow on the
+host) and `sliding` (a host-side ring plan) are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cache.dense import DenseCache
+from cache.kernels.dispatch import resolve_impl, split_count
+from cache.kernels.paged import paged_attention_reference, paged_attention_triton
+from cache.paged import PagedCache
+from models.errors import SetupError
+
+MODES = ("eager", "graph", "compile")
+
+
+def static_problems(cache, mode: str) -> list[str]:
+    """Every reason the static decode step cannot run this cache in this mode."""
+    p = []
+    if type(cache) not in (DenseCache, PagedCache):
+        p.append(f"the static decode step runs the dense and paged caches only, not {type(cache).__name__}: "
+                 "int4 grows per-row stores on the host and sliding plans its ring on the host each step")
+    if mode not in MODES:
+        p.append(f"mode must be one of {list(MODES)}, got {mode!r}")
+    elif mode == "graph" and cache.layout.device.type != "cuda":
+        p.append("mode=graph captures a CUDA graph: it needs the cache on a CUDA device (use mode=eager)")
+    return p
+
+
+def dense_as_pool(t: torch.Tensor, bs: int) -> torch.Tensor:
+    """A dense layer [B, Hkv, S, D] viewed as a heads-major pool [Hkv, N, bs, D] whose block
+    b * Hkv * S / bs + i holds row b's positions [i * bs, (i + 1) * bs) (no copy)."""
+    B, H, S, D = t.shape
+    n = ((B - 1) * H + 1) * (S // bs)  # the last block of the last row ends the storage
+    return t.as_strided((H, n, bs, D), (S * D, bs * D, D, 1))
+
+
+class StaticAttention:
+    """The cache as the captured forward sees it: fixed shapes, device-side positions."""
+
+    def __init__(self, cache, impl: str = "auto"):
+        lay, B = cache.layout, cache.batch_size
+        self.cache, dev = cache, lay.device
+        self.attn = paged_attention_triton if resolve_impl(impl, dev) == "triton" else paged_attention_reference
+        self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)  # [B, 1] input: each row's next position
+        if isinstance(cache, PagedCache):
+            self.bs, self.k, self.v = cache.block_size, cache._kh, cache._vh
+            self.table = cache.table.to(dev, torch.int32)  # [B, M] refreshed from the host before each step
+        else:
+            S = cache.capacity
+            self.bs = math.gcd(S, 64)
+            self.k = [dense_as_pool(t, self.bs) for t in cache.k]
+            self.v = [dense_as_pool(t, self.bs) for t in cache.v]
+            rows = torch.arange(B, device=dev)[:, None] * (lay.n_kv_heads * S // self.bs)
+            self.table = (rows + torch.arange(S // self.bs, device=dev)).to(torch.int32)  # [B, S / bs], fixed
+        self.splits = split_count(B * lay.n_kv_heads, self.table.shape[1] * self.bs, dev)
+        self.heads = torch.arange(lay.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
+
+    def refresh(self) -> None:
+        """Host -> device: the paged block table after `cache.prepare` allocated blocks."""
+        if isinstance(self.cache, PagedCache):
+            self.table.copy_(self.cache.table, non_blocking=True)
+
+    def begin(self) -> None:
+        """Per forward, on the device: lengths and the new token's storage slot per (row, head)."""
+        pos = self.pos[:, 0]  # [B]
+        self.kv_len = (pos + 1).to(torch.int32)  # the new token is written before attention
+        blk = self.table.gather(1, (pos // self.bs)[:, None]).long()  # [B, 1]
+        self.blk, self.off = blk[:, 0], pos % self.bs  # [B]
+
+    def prepare(self, positions, valid=None) -> None:
+        """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
+
+    def attend(self, layer, q, k, v, positions):
+        """Write k, v [B, Hkv, 1, D] at each row's position; attend q [B, Hq, 1, D]."""
+        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+            pool[self.heads, self.blk[:, None], self.off[:, None]] = new[:, :, 0]  # [B, Hkv, D]
+        lay = self.cache.layout
+        return self.attn(q, self.k[layer], self.v[layer], self.table, self.pos, self.kv_len, lay.softmax_scale,
+                         lay.windows[layer], lay.softcap, self.splits)
+
+
+class StaticDecoder:
+    """`step(last [B]) -> logits [B, V]`: one greedy-ready decode step at fixed shapes.
+
+    mode: `eager` runs the static forward as is (any device; the reference of the other
+    two), `graph` captures it as a CUDA graph on the first step and replays it, `compile`
+    runs it through torch.compile first (`backend`, inductor by default) and, on CUDA,
+    captures that. The returned logits live in a static buffer: read them before the next
+    step."""
+
+    def __init__(self, model, cache, mode: str = "graph", impl: str = "auto", backend: str = "inductor"):
+        p = static_problems(cache, mode)
+        if p:
+            raise SetupError(p)
+        self.model, self.cache, self.mode = model, cache, mode
+        self.view = StaticAttention(cache, impl)
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.layout.device)  # [B, 1]
+        fn = self._forward
+        if mode == "compile":
+            fn = torch.compile(fn, backend=backend, dynamic=False)
+        self.fn, self.graph, self.logits = fn, None, None
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        self.view.begin()
+        return self.model(self.ids, self.view.pos, self.view)[:, -1]  # [B, V]
+
+    @torch.no_grad()
+    def step(self, last: torch.Tensor) -> torch.Tensor:
+        """Feed last [B] at each row's next position (the cache's lengths); logits [B, V]."""
+        pos = self.cache.lengths[:, None].clone()  # [B, 1] host
+        self.cache.prepare(pos)  # host bookkeeping: lengths, blocks (no attention runs here)
+        self.view.refresh()
+        self.ids.copy_(last.view(-1, 1), non_blocking=True)
+        self.view.pos.copy_(pos, non_blocking=True)
+        if self.cache.layout.device.type != "cuda" or self.mode == "eager":
+            return self.fn()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (compiles kernels; rewrites this step's own K/V slot
+        with the same values), then capture one forward."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.fn()
+
+
+@torch.no_grad()
+def greedy_decode(step, first: torch.Tensor, n: int) -> torch.Tensor:
+    """n greedy tokens per row [B, n] from `step(last) -> logits`, starting by feeding first [B]."""
+    out, last = [], first
+    for _ in range(n):
+        last = step(last).argmax(-1)
+        out.append(last)
+    return torch.stack(out, 1)
