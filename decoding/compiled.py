@@ -25,7 +25,7 @@ import torch
 
 from cache.dense import DenseCache
 from cache.kernels.dispatch import resolve_impl, split_count
-from cache.kernels.paged import paged_attention_reference, paged_attention_triton
+from cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
 from cache.paged import PagedCache
 from models.errors import SetupError
 
@@ -45,14 +45,6 @@ def static_problems(cache, mode: str) -> list[str]:
     return p
 
 
-def dense_as_pool(t: torch.Tensor, bs: int) -> torch.Tensor:
-    """A dense layer [B, Hkv, S, D] viewed as a heads-major pool [Hkv, N, bs, D] whose block
-    b * Hkv * S / bs + i holds row b's positions [i * bs, (i + 1) * bs) (no copy)."""
-    B, H, S, D = t.shape
-    n = ((B - 1) * H + 1) * (S // bs)  # the last block of the last row ends the storage
-    return t.as_strided((H, n, bs, D), (S * D, bs * D, D, 1))
-
-
 class StaticAttention:
     """The cache as the captured forward sees it: fixed shapes, device-side positions."""
 
@@ -65,12 +57,10 @@ class StaticAttention:
             self.bs, self.k, self.v = cache.block_size, cache._kh, cache._vh
             self.table = cache.table.to(dev, torch.int32)  # [B, M] refreshed from the host before each step
         else:
-            S = cache.capacity
-            self.bs = math.gcd(S, 64)
-            self.k = [dense_as_pool(t, self.bs) for t in cache.k]
-            self.v = [dense_as_pool(t, self.bs) for t in cache.v]
-            rows = torch.arange(B, device=dev)[:, None] * (lay.n_kv_heads * S // self.bs)
-            self.table = (rows + torch.arange(S // self.bs, device=dev)).to(torch.int32)  # [B, S / bs], fixed
+            self.bs = math.gcd(cache.capacity, 64)
+            self.k = [dense_as_pool(t, self.bs)[0] for t in cache.k]
+            self.v = [dense_as_pool(t, self.bs)[0] for t in cache.v]
+            self.table = dense_as_pool(cache.k[0], self.bs)[1]  # [B, S / bs], fixed
         self.splits = split_count(B * lay.n_kv_heads, self.table.shape[1] * self.bs, dev)
         self.heads = torch.arange(lay.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
 

@@ -24,7 +24,7 @@ import torch
 
 from cache.base import CacheLayout
 from cache.kernels.int4 import cache_rows, int4_attention_reference, int4_attention_triton, kernel_queries
-from cache.kernels.paged import paged_attention_reference, paged_attention_triton
+from cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +51,24 @@ def paged_case(device, dtype, B=3, Hq=4, Hkv=2, D=16, bs=4, lengths=(5, 37, 20),
     q = torch.randn(B, Hq, T, D, generator=g).to(device, dtype)
     args = (q, k, v, table.to(device), qpos.to(device), kv_len.to(device), D**-0.5, window, softcap, splits)
     return paged_attention_triton(*args), paged_attention_reference(*args)
+
+
+def dense_case(device, dtype, B=2, Hq=4, Hkv=2, D=16, S=48, bs=16, lengths=(30, 48), window=None, splits=None,
+               seed=0):
+    """A dense layer [B, Hkv, S, D] read by the paged kernel through `dense_as_pool` (the
+    static decode step's path), one query per row, against SDPA over each row's keys."""
+    from cache.base import reference_attention
+
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(device, dtype) for _ in range(2))
+    q = torch.randn(B, Hq, 1, D, generator=g).to(device, dtype)
+    kv_len = torch.tensor(lengths, device=device)
+    qpos = (kv_len - 1)[:, None]  # [B, 1]
+    (kp, table), (vp, _) = dense_as_pool(k, bs), dense_as_pool(v, bs)
+    got = paged_attention_triton(q, kp, vp, table, qpos, kv_len, D**-0.5, window, None, splits)
+    kpos = torch.arange(S, device=device)
+    mask = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)  # [B, S]
+    return got, reference_attention(q, k, v, mask[:, None, None], D**-0.5)
 
 
 def int4_case(device, dtype, B=2, Hq=4, Hkv=2, D=32, lengths=(100, 150), T=1, window=None, softcap=None,
@@ -129,6 +147,8 @@ CASES = [
     Case("paged-softcap", paged_case, dict(T=2, softcap=20.0)),
     Case("paged-gqa4-d64-bs16", paged_case, dict(Hq=8, Hkv=2, D=64, bs=16, lengths=(100, 33), B=2, T=5, splits=4)),
     Case("paged-mqa-short", paged_case, dict(Hq=3, Hkv=1, lengths=(1, 2, 9), T=1)),
+    Case("dense-as-pool", dense_case),
+    Case("dense-as-pool-window-split2", dense_case, dict(window=9, splits=2, Hq=6)),
     Case("int4-decode", int4_case),
     Case("int4-verify-token-channel", int4_case, dict(T=4, key_axis="token", value_axis="channel")),
     Case("int4-window", int4_case, dict(T=2, window=40, splits=2)),

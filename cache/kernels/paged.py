@@ -41,6 +41,17 @@ def paged_attention_reference(
     return out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)
 
 
+def dense_as_pool(t: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense cache layer [B, Hkv, S, D] (S a multiple of bs) as the kernels' heads-major
+    pool [Hkv, N, bs, D], a strided view with no copy, and its block table [B, S / bs]:
+    row b's positions [i * bs, (i + 1) * bs) are block b * Hkv * S / bs + i."""
+    B, H, S, D = t.shape
+    n = ((B - 1) * H + 1) * (S // bs)  # the last block of the last row ends the storage
+    rows = torch.arange(B, device=t.device)[:, None] * (H * S // bs)
+    table = (rows + torch.arange(S // bs, device=t.device)).to(torch.int32)  # [B, S / bs]
+    return t.as_strided((H, n, bs, D), (S * D, bs * D, D, 1)), table
+
+
 def paged_attention_triton(q, k_pool, v_pool, table, qpos, kv_len, scale, window=None, softcap=None,
                            num_splits=None) -> torch.Tensor:
     """The Triton kernel of `paged_attention_reference` (same arguments, same result);

@@ -12,7 +12,8 @@ import torch
 from cache.int4 import QuantizedCache
 from cache.paged import PagedCache
 from decoding import prefill
-from decoding.compiled import StaticDecoder, dense_as_pool, greedy_decode
+from cache.kernels.paged import dense_as_pool
+from decoding.compiled import StaticDecoder, greedy_decode
 from models.errors import SetupError
 from tests.conftest import cache_for, random_ids
 
@@ -53,9 +54,9 @@ def test_static_step_matches_plain_step(tiny_llama, backend, mode):
 
 def test_dense_as_pool_addresses_each_rows_positions():
     t = torch.randn(3, 2, 16, 4)  # [B, Hkv, S, D]
-    pool = dense_as_pool(t, 4)  # [Hkv, N, 4, D]
-    b, h, p = 2, 1, 13
-    assert torch.equal(pool[h, b * 2 * 16 // 4 + p // 4, p % 4], t[b, h, p])
+    pool, table = dense_as_pool(t, 4)  # [Hkv, N, 4, D], [B, 4]
+    for b, h, p in ((2, 1, 13), (0, 0, 0), (2, 1, 15), (1, 0, 6)):
+        assert torch.equal(pool[h, table[b, p // 4], p % 4], t[b, h, p])
 
 
 def test_unsupported_caches_and_modes_are_refused(tiny_llama):
