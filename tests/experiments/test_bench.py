@@ -137,3 +137,21 @@ def test_config_hash_ignores_bookkeeping_only():
     assert config_hash(a) == config_hash(config(*TINY, "redo=true", "name=other", "progress=true"))
     assert config_hash(a) != config_hash(config(*TINY, "cache=paged"))
     assert config_hash(a) != config_hash(config(*TINY, "max_new_tokens=7"))
+
+
+@pytest.mark.parametrize("launcher", ["local", "parallel"])
+def test_sweep_through_the_cluster_and_parallel_launchers(tmp_path, prompts, launcher):
+    """`local`: submitit's local executor, i.e. the Slurm launcher's code path (pickled
+    jobs, job folders) on this machine; `parallel`: joblib processes."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher" if launcher == "local"
+                        else "hydra_plugins.hydra_joblib_launcher")
+    sweep = tmp_path / "sweep"
+    p = bench("-m", f"hydra/launcher={launcher}", *TINY, "threads=1", "workload=jsonl", f"workload.path={prompts}",
+              "max_new_tokens=4", "cache=dense,paged", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = results(sweep)
+    assert sorted(s["setup"]["cache"] for s in runs.values()) == ["dense", "paged"]
+    assert all(s["metrics"]["new_tokens"] == 8 for s in runs.values())
+    assert (sweep / "report.md").is_file()
+    if launcher == "local":
+        assert list((sweep / ".submitit").rglob("*_result.pkl"))  # went through submitit's job folders
