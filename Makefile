@@ -44,3 +44,9 @@ baseline: setup
 
 clean:
 	rm -rf $(VENV) outputs multirun
+
+# every wheel an offline GPU machine lacks (hydra, omegaconf, antlr4, optimum-quanto, gguf,
+# datasets, dill, multiprocess) into wheelhouse/; see the script for the install line there
+.PHONY: wheelhouse
+wheelhouse:
+	PY=$(BIN)/python bash scripts/wheelhouse.sh
