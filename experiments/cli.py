@@ -1,9 +1,10 @@
 """Command-line front of the Hydra entry points: a bad config is reported whole.
 
-Hydra stops at the first config-group option it cannot find (`cache=pagd`) before any
-other check can run. `precheck` finds every such option first, composes the config
-without them, runs the entry point's own checks on the rest, and prints all reasons
-together (exit 2, no traceback), all before any weights load.
+Hydra stops at the first config-group option it cannot find (`cache=pagd`) or key it
+does not know (`decoder.temprature=0.5`), before any other check can run. `precheck`
+finds every such override first (with the close matches), composes the config without
+them, runs the entry point's own checks on the rest, and prints all reasons together
+(exit 2, no traceback), all before any weights load.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     for arg in argv:
         key, eq, value = arg.partition("=")
         group = key.lstrip("+~")
-        if arg.startswith("-") or not eq or "." in group or not (CONF_DIR / group).is_dir():
+        if arg.startswith("-") or not eq or not _is_group(group):
             kept.append(arg)
             continue
         names = group_options(group)
@@ -39,6 +40,10 @@ def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     return reasons, kept
 
 
+def _is_group(key: str) -> bool:
+    return "." not in key and (CONF_DIR / key.lstrip("+~")).is_dir()
+
+
 def _first_value(arg: str) -> str:
     """`key=a,b` (a sweep) -> `key=a`; lists, dicts and quoted values stay whole."""
     key, _, value = arg.partition("=")
@@ -47,20 +52,51 @@ def _first_value(arg: str) -> str:
     return f"{key}={value}"
 
 
+def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(reasons for `a.b=v` overrides whose key the composed config lacks, the rest)."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    reasons, kept = [], []
+    for arg in argv:
+        key = arg.partition("=")[0]
+        if (arg.startswith(("-", "+", "~", "hydra")) or "=" not in arg or _is_group(key)
+                or OmegaConf.select(cfg, key, default=_NO) is not _NO):
+            kept.append(arg)
+            continue
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        known = list(node.keys()) if hasattr(node, "keys") else []
+        close = difflib.get_close_matches(leaf, known, n=1)
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+            f"the keys there are {', '.join(map(str, known))}" if known else "no such key"
+        reasons.append(f"{key}: unknown config key; {hint} (to add a new key on purpose: +{arg})")
+    return reasons, kept
+
+
+_NO = object()
+
+
 def precheck(argv: list[str], config_name: str, check: Callable) -> None:
-    """Exit 2 with every reason when a group option is unknown (see the module doc)."""
-    reasons, kept = split_choices(argv)
-    if not reasons:
-        return  # Hydra composes; the entry point's own check lists the rest
+    """Exit 2 with every reason when a group option or a key is unknown (see the module
+    doc); otherwise return and let Hydra run."""
     from hydra import compose, initialize_config_dir
 
+    reasons, kept = split_choices(argv)
     overrides = [_first_value(a) for a in kept if not a.startswith("-") and not a.startswith("hydra")]
+    groups = [a for a in overrides if _is_group(a.partition("=")[0])]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            more, overrides = unknown_keys(compose(config_name=config_name, overrides=groups), overrides)
+            reasons += more
+            if not reasons:
+                return  # Hydra composes; the entry point's own check lists the rest
             check(compose(config_name=config_name, overrides=overrides))
     except SetupError as e:
         reasons += e.reasons
     except Exception as e:  # the rest of the config does not compose either
         reasons.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    print(f"error: {SetupError(reasons)}", file=sys.stderr)
-    sys.exit(2)
+    if reasons:
+        print(f"error: {SetupError(reasons)}", file=sys.stderr)
+        sys.exit(2)

@@ -42,3 +42,96 @@ def test_bad_config_lists_every_reason():
     with pytest.raises(SetupError) as e:
         setup.check(cfg)
     assert len(e.value.reasons) == 3
+
+
+# -- every group, the named setups and experiments, the launchers ---------------------
+def test_every_group_option_composes_and_its_target_takes_its_options(tmp_path):
+    import inspect
+
+    from hydra.utils import get_method
+    from omegaconf import OmegaConf
+
+    for group in ("model", "cache", "decoder", "draft", "workload"):
+        for name in names(group):
+            spec = OmegaConf.to_container(config(f"{group}={name}")[group])
+            fn = get_method(spec.pop("_target_"))
+            params = inspect.signature(fn).parameters
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            unknown = [k for k in spec if not k.startswith("_") and k not in params]
+            assert takes_any or not unknown, f"{group}={name}: {fn.__name__} takes no {unknown}"
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer():
+    from models.loading import instantiate_unwrapped
+
+    return instantiate_unwrapped(config("model=tiny-llama", "model.device=cpu").model)
+
+
+@pytest.mark.parametrize("workload", names("workload"))
+def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny_with_tokenizer):
+    from models.loading import instantiate_unwrapped
+
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt": "Hi there", "reference": "Hello!"}\n{"prompt": "Bye"}\n')
+    extra = {"jsonl": [f"workload.path={f}"], "sharegpt": ["workload.n=2", "workload.max_prompt_tokens=64"],
+             "synthetic": ["workload.lengths=[8,12]"]}[workload]
+    lm = tiny_with_tokenizer
+    reqs = instantiate_unwrapped(config(f"workload={workload}", *extra).workload)(lm)
+    assert len(reqs) == 2 and len({r.id for r in reqs}) == 2
+    ids = [r.encode(lm.tokenizer) for r in reqs]
+    assert all(len(x) > 0 for x in ids)
+    if workload == "synthetic":
+        assert [len(x) for x in ids] == [8, 12]
+    if workload == "sharegpt":
+        assert all(r.reference and r.chat for r in reqs)
+
+
+@pytest.mark.parametrize("name", names("setup"))
+def test_every_named_setup_checks_and_builds(name, tiny_models):
+    cfg = config(f"setup={name}", "draft.layers=1")
+    setup.check(cfg)
+    _, dec = setup.build(cfg, tiny_models["llama"])
+    assert cfg.setup_name == name and {"max_abs_dlogit", "max_kl", "min_top1"} <= set(cfg.agreement)
+    assert ("speculative" in name) == hasattr(dec, "drafter")
+
+
+@pytest.mark.parametrize("name", names("experiment"))
+def test_every_named_experiment_composes_and_checks(name):
+    from experiments.bench import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
+    assert cfg.name == name and cfg.hydra.sweeper.params  # a sweep holding only its deltas
+    cfg_run = config(f"experiment={name}")
+    check(cfg_run)  # its deltas are valid options
+
+
+@pytest.mark.parametrize("launcher", ["parallel", "local", "slurm"])
+def test_launcher_configs_compose(launcher):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert "Launcher" in cfg.hydra.launcher._target_
+
+
+def test_precheck_lists_unknown_groups_keys_and_bad_values_together(capsys):
+    from experiments.bench import check
+    from experiments.cli import precheck
+
+    with pytest.raises(SystemExit) as e:
+        precheck(["cache=pagd", "decoder=speculative", "decoder.gamma=0", "decoder.temprature=0.5",
+                  "max_new_token=3"], "config", check)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid setup (4 problem(s))" in err
+    assert "no such cache; the options are dense, int4, paged, sliding" in err
+    assert "did you mean decoder.temperature?" in err and "did you mean max_new_tokens?" in err
+    assert "gamma must be an integer >= 1, got 0" in err
+
+
+def test_precheck_lets_a_good_config_through():
+    from experiments.bench import check
+    from experiments.cli import precheck
+
+    precheck(["cache=paged", "decoder=speculative", "decoder.gamma=3", "-m", "cache.block_size=32"], "config", check)
