@@ -47,10 +47,29 @@ def overlap(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
-def leviathan_speedup(alpha: float, gamma: float, c: float) -> float:
-    """Expected speedup (1 - a^(g+1)) / ((1 - a)(g c + 1)); c = draft step / target call."""
+def leviathan_speedup(alpha: float, gamma: float, c: float, verify_cost: float = 1.0) -> float:
+    """Expected speedup (1 - a^(g+1)) / ((1 - a)(g c + v)); c = draft step / target step.
+
+    Leviathan et al. assume v = 1: the target scores gamma + 1 tokens in the time of one
+    decode step (true on a GPU for small gamma). `verify_cost` v = verify call / decode
+    step, measured, gives the prediction for hardware where that is not so."""
     tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens / (gamma * c + 1)
+    return tokens / (gamma * c + verify_cost)
+
+
+def predicted_speedups(stats: list[dict], step_s: float) -> dict:
+    """From the statistics of speculative runs and the time of one plain decode step
+    (measured side by side): the cost ratios c_draft and c_verify in units of that step,
+    and the speedups Leviathan's formula predicts with c_verify = 1 and with the measured
+    c_verify."""
+    calls = sum(s["target_calls"] for s in stats)
+    steps = sum(s["target_calls"] * s["mean_gamma"] for s in stats)  # draft steps
+    c = sum(s["time_draft_s"] for s in stats) / steps / step_s
+    v = sum(s["time_verify_s"] for s in stats) / calls / step_s
+    alpha = sum(s["alpha"] * s["target_calls"] for s in stats) / calls
+    gamma = steps / calls
+    return {"alpha": alpha, "c_draft": c, "c_verify": v, "predicted_leviathan": leviathan_speedup(alpha, gamma, c),
+            "predicted_this_hw": leviathan_speedup(alpha, gamma, c, verify_cost=v)}
 
 
 class SpeculativeStats:

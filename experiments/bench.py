@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.agreement import compare, dense_logits, forced_logits
 from decoding.decoders import greedy
 from decoding.generate import _pct, generate
-from decoding.speculative import SpeculativeDecoder
+from decoding.speculative import SpeculativeDecoder, predicted_speedups
 from decoding.text import make_cache
 from experiments import setup
 from experiments.cli import precheck
@@ -127,6 +127,7 @@ def measure_batch(lm, factory, decoder, reqs, cfg) -> list[dict]:
             rec["greedy"] = {"decode_s": _decode_s(plain.token_times[b]), "new_tokens": len(plain.tokens[b]),
                              "identical": plain.tokens[b] == res.tokens[b]}
             rec["decode_s"] = _decode_s(res.token_times[b])
+            rec["spec_stats"] = res.stats  # row statistics for the side-by-side prediction
     return recs
 
 
@@ -207,8 +208,12 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
         spec_s = sum(r["decode_s"] for r in plain)
         metrics["speedup_vs_greedy"] = sum(r["greedy"]["decode_s"] for r in plain) / spec_s if spec_s else None
         metrics["greedy_identical"] = sum(r["greedy"]["identical"] for r in plain) / len(plain)
-        if metrics["speedup_vs_greedy"] and metrics["predicted_speedup"]:
-            metrics["efficiency"] = metrics["speedup_vs_greedy"] / metrics["predicted_speedup"]
+        steps = sum(r["greedy"]["new_tokens"] - 1 for r in plain)
+        if metrics["speedup_vs_greedy"] and steps:
+            step_s = sum(r["greedy"]["decode_s"] for r in plain) / steps
+            pred = predicted_speedups([r["spec_stats"] for r in plain], step_s)
+            metrics.update({k: pred[k] for k in ("c_draft", "c_verify", "predicted_leviathan", "predicted_this_hw")})
+            metrics["efficiency"] = metrics["speedup_vs_greedy"] / pred["predicted_this_hw"]
     cond = {**run_conditions(lm.model), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
     return {"kind": "summary", "run": run_hash, "finished": datetime.now(timezone.utc).isoformat(),
             "setup": describe(cfg), "metrics": metrics, "conditions": cond,
