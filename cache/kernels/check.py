@@ -175,9 +175,94 @@ def run_cases(device="cpu", dtypes=(torch.float32,), cases=CASES) -> list[dict]:
     return results
 
 
+AOT_CASES = [
+    Case("paged-llama-shape", paged_case, dict(Hq=32, Hkv=8, D=128, bs=16, lengths=(300, 200), B=2, splits=1)),
+    Case("paged-verify-window-split", paged_case, dict(Hq=9, Hkv=3, D=64, T=5, lengths=(300, 90), B=2, window=64,
+                                                        bs=16, splits=3)),
+    Case("dense-as-pool-llama-shape", dense_case, dict(Hq=32, Hkv=8, D=128, S=256, bs=64, lengths=(200, 256))),
+    Case("int4-llama-shape", int4_case, dict(Hq=32, Hkv=8, D=128, lengths=(300, 200), group_size=64, residual=112,
+                                             flush=64)),
+    Case("int4-token-channel-qint2", int4_case, dict(Hq=9, Hkv=3, D=64, T=4, lengths=(300, 130), group_size=64,
+                                                     residual=112, flush=64, nbits=2, key_axis="token",
+                                                     value_axis="channel")),
+]
+
+
+def compile_ahead(cases=AOT_CASES, dtypes=(torch.bfloat16, torch.float32), arch: int = 90) -> list[dict]:
+    """Compile every kernel launch the cases make for a CUDA target (default sm_90, the
+    H100/H200) with Triton's own compiler and bundled ptxas, no GPU needed: launches are
+    recorded instead of run, then compiled with the JIT's specializations (16-divisible
+    pointers and ints, ints equal to 1). Catches what the interpreter cannot (types,
+    layouts, unsupported ops). Needs the kernel modules imported without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cache.kernels import common_triton, int4_triton, paged_triton
+
+    kernels = [(paged_triton, "_paged_kernel"), (int4_triton, "_int4_kernel"), (common_triton, "_combine_kernel")]
+    launches: dict = {}
+    originals = [(m, n, getattr(m, n)) for m, n in kernels]
+    for m, n, fn in originals:  # record launches instead of running them
+        setattr(m, n, _Recorder(fn, launches))
+    try:
+        for dtype in dtypes:
+            for case in cases:
+                case.run("cpu", dtype, **case.options)
+    finally:
+        for m, n, fn in originals:
+            setattr(m, n, fn)
+    out = []
+    for (name, consts), (fn, call) in launches.items():
+        sig, constexprs, attrs = _specialize(fn, call)
+        t0 = time.perf_counter()
+        k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": call[1].get("num_warps", 4)})
+        out.append({"kernel": name, "constexprs": {c: str(v) for c, v in consts}, "shared_bytes": k.metadata.shared,
+                    "seconds": round(time.perf_counter() - t0, 2), "cubin": "cubin" in k.asm})
+    return out
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **constexprs)` records the launch."""
+
+    def __init__(self, fn, launches: dict):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            key = (self.fn.__name__, tuple(sorted((k, str(v)) for k, v in kw.items())))
+            self.launches.setdefault(key, (self.fn, (args, kw)))
+        return launch
+
+
+def _specialize(fn, call):
+    """Signature, constexprs and attributes of one recorded call, as Triton's JIT would make them."""
+    args, kw = call
+    names = fn.arg_names
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+             torch.int64: "i64", torch.uint8: "u8"}
+    bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
+    sig, constexprs, attrs = {}, {}, {}
+    for i, n in enumerate(names):
+        a = bound[n]
+        if fn.params[i].is_constexpr or (type(a) is int and a == 1):
+            sig[n], constexprs[n] = "constexpr", a
+            continue
+        sig[n] = "*" + types[a.dtype] if isinstance(a, torch.Tensor) else ("fp32" if isinstance(a, float) else "i32")
+        if (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0) or (type(a) is int and a % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, constexprs, attrs
+
+
 def main(argv: list[str] | None = None) -> None:
-    """key=value arguments: device (cpu), dtypes (float32,bfloat16). Prints JSON."""
+    """key=value arguments: device (cpu), dtypes (float32,bfloat16); or aot=90 (and dtypes)
+    to compile for sm_90 without a GPU. Prints JSON."""
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
+    if "aot" in args:
+        dtypes = [DTYPES[d] for d in args.get("dtypes", "bfloat16,float32").split(",")]
+        print(json.dumps(compile_ahead(dtypes=dtypes, arch=int(args["aot"])), indent=1))
+        return
     dtypes = [DTYPES[d] for d in args.get("dtypes", "float32,bfloat16").split(",")]
     print(json.dumps(run_cases(args.get("device", "cpu"), dtypes), indent=1))
 

@@ -72,7 +72,8 @@ def finish(OUT, ACC, M, L, acc, m_i, l_i, b, h, split, rows, offs_d, G, D,
 
 
 @triton.jit
-def _combine_kernel(OUT, ACC, M, L, G, D, stride_ob, stride_oh, stride_ot, n_heads_kv, n_splits, ROWS,
+def _combine_kernel(OUT, ACC, M, L, G: tl.constexpr, D: tl.constexpr, stride_ob, stride_oh, stride_ot, n_heads_kv,
+                    n_splits, ROWS,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One program per (b, h, query row): merge the splits' partial states."""
     pid = tl.program_id(0)

@@ -46,7 +46,8 @@ def dequant_tile(DATA, SCALE, OFF, h, p, d, ok, s0, s1, s2, s3, c0, c1, c2, c3,
 
 @triton.jit
 def _int4_kernel(Q, KD, KS, KO, VD, VS, VO, KR, VR, QPOS, VIS, OUT, ACC, M, L,
-                 b, lo, qa, fs, hi, p0, qk_scale, softcap, window, T, G, D, n_heads_kv, n_splits, ROWS,
+                 b, lo, qa, fs, hi, p0, qk_scale, softcap, window, T, G: tl.constexpr, D: tl.constexpr, n_heads_kv, n_splits,
+                 ROWS,
                  stride_qb, stride_qh, stride_qt, stride_pb,
                  kd0, kd1, kd2, kd3, ks0, ks1, ks2, ks3, vd0, vd1, vd2, vd3, vs0, vs1, vs2, vs3,
                  kr0, kr1, vr0, vr1,
@@ -90,9 +91,12 @@ def _int4_kernel(Q, KD, KS, KO, VD, VS, VO, KR, VR, QPOS, VIS, OUT, ACC, M, L,
             p = n0 + tl.arange(0, BLOCK_N)
             k_ok = p < hi
             ok = k_ok[:, None] & d_ok[None, :]
-            at = (p - p0).to(tl.int64)[:, None]
-            k = tl.load(KR + hq * kr0 + at * kr1 + offs_d[None, :], mask=ok, other=0.0).to(DOT)
-            v = tl.load(VR + hq * vr0 + at * vr1 + offs_d[None, :], mask=ok, other=0.0).to(DOT)
+            at = (p - p0).to(tl.int64)  # [N] rows of the exact store
+            k_at, v_at = hq * kr0 + at * kr1, hq * vr0 + at * vr1
+            if D % 8 == 0:  # rows start 16-byte aligned: vector loads
+                k_at, v_at = tl.multiple_of(k_at, 8), tl.multiple_of(v_at, 8)
+            k = tl.load(KR + k_at[:, None] + offs_d[None, :], mask=ok, other=0.0).to(DOT)
+            v = tl.load(VR + v_at[:, None] + offs_d[None, :], mask=ok, other=0.0).to(DOT)
             visible = k_ok[None, :] & (p[None, :] >= vq[:, None]) & (p[None, :] <= qp[:, None])
             if HAS_WINDOW:
                 visible = visible & (p[None, :] > qp[:, None] - window)
@@ -123,10 +127,11 @@ def int4_attention(q, rows, qpos, vis, scale, window=None, softcap=None, num_spl
                   V_TOKEN=vg.axis == "token", V_GROUP=vg.size, V_R=vg.size * vg.bits // 8, BITS=kg.bits,
                   BLOCK_M=max(16, triton.next_power_of_2(n_rows)), BLOCK_N=64 if D <= 128 else 32,
                   BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None,
-                  HAS_SOFTCAP=bool(softcap), IEEE=ieee, DOT=dot, num_warps=8 if n_rows > 32 else 4)
+                  HAS_SOFTCAP=bool(softcap), IEEE=ieee, DOT=dot, num_warps=8 if n_rows > 32 else 4, num_stages=2)
     for b in range(B):
         kq, vq, kr, vr = rows.kq[b], rows.vq[b], rows.kr[b], rows.vr[b]
-        assert kr.stride(-1) == 1 and vr.stride(-1) == 1 and kq.scale.stride() == kq.offset.stride()
+        assert kr.stride()[1:] == vr.stride()[1:] == (D, 1) and kq.scale.stride() == kq.offset.stride()
+        assert vq.scale.stride() == vq.offset.stride()
         _int4_kernel[(Hkv, S)](
             q, kq.data, kq.scale, kq.offset, vq.data, vq.scale, vq.offset, kr, vr, qpos, vis, out, acc, m, l_s,
             b, rows.lo[b], rows.qa[b], rows.fs[b], rows.hi[b], rows.p0[b], float(scale), float(softcap or 0.0),

@@ -19,7 +19,7 @@ from cache.kernels.dispatch import split_count
 
 @triton.jit
 def _paged_kernel(Q, K, V, TABLE, QPOS, KVLEN, OUT, ACC, M, L,
-                  qk_scale, softcap, window, T, G, D, n_heads_kv, n_splits, ROWS,
+                  qk_scale, softcap, window, T, G: tl.constexpr, D: tl.constexpr, n_heads_kv, n_splits, ROWS,
                   stride_qb, stride_qh, stride_qt, stride_kh, stride_kn, stride_tb, stride_pb,
                   stride_ob, stride_oh, stride_ot,
                   BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -55,6 +55,8 @@ def _paged_kernel(Q, K, V, TABLE, QPOS, KVLEN, OUT, ACC, M, L,
         blk = tl.load(TABLE + b * stride_tb + p // BS, mask=k_ok, other=0).to(tl.int64)
         k_ok = k_ok & (blk >= 0)
         at = head + blk * stride_kn + (p % BS) * D  # [N] element offsets of the key rows
+        if D % 8 == 0:
+            at = tl.multiple_of(at, 8)  # rows start 16-byte aligned: vector loads
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(K + at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
         v = tl.load(V + at[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
