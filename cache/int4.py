@@ -45,7 +45,8 @@ One forward (all of it planned once, in `prepare`):
    the dequantized one iff p < V(q). A forward of more than `attention_chunk` queries (a
    long prefill) does this per chunk of queries, so each chunk reads only the keys it
    needs. Nothing dequantized is kept between calls (no fp mirror: that would give the
-   memory back).
+   memory back). With `impl: triton` (the default on CUDA) a decode-sized forward instead
+   runs cache/kernels/int4.py, which unpacks the codes in registers (the same rule).
 3. drop the exact copies no future query can need: P0 <- max(P0, min(Qs, V(len - rollback))).
 
 Why step 3 is exact (the rule for keeping full precision). A later forward starts at the

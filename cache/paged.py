@@ -15,6 +15,9 @@ contiguous [B, Hkv, S, D] keys and values, or, for one row whose visible blocks 
 consecutive in the pool (the allocator prefers the block after a row's last one), read
 them as a strided view with no copy, as dense does. For that view each layer's pool is
 stored heads-major, [Hkv, N, bs, D], and exposed as the [N, Hkv, bs, D] block view.
+With `impl: triton` (the default on CUDA, cache/kernels/dispatch.py) a decode-sized forward
+skips that plan: the Triton kernel of cache/kernels/paged.py reads the blocks in place
+through the block table; prefill always takes the reference.
 """
 
 from __future__ import annotations
@@ -175,7 +178,8 @@ class PagedCache(KVCache):
             self.lengths = before
             raise
         self._write_index()
-        self._kernel = self._kernel_inputs() if self.impl == "triton" and self._qpos.shape[1] <= DECODE_QUERIES else None
+        decode = self._qpos.shape[1] <= DECODE_QUERIES  # kernel-sized; a prefill takes the reference
+        self._kernel = self._kernel_inputs() if self.impl == "triton" and decode else None
 
     def _kernel_inputs(self) -> tuple:
         """The Triton kernel's per-forward arguments: block table [B, M], query positions

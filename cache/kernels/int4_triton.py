@@ -46,8 +46,8 @@ def dequant_tile(DATA, SCALE, OFF, h, p, d, ok, s0, s1, s2, s3, c0, c1, c2, c3,
 
 @triton.jit
 def _int4_kernel(Q, KD, KS, KO, VD, VS, VO, KR, VR, QPOS, VIS, OUT, ACC, M, L,
-                 b, lo, qa, fs, hi, p0, qk_scale, softcap, window, T, G: tl.constexpr, D: tl.constexpr, n_heads_kv, n_splits,
-                 ROWS,
+                 b, lo, qa, fs, hi, p0, qk_scale, softcap, window, T, G: tl.constexpr, D: tl.constexpr,
+                 n_heads_kv, n_splits, ROWS,
                  stride_qb, stride_qh, stride_qt, stride_pb,
                  kd0, kd1, kd2, kd3, ks0, ks1, ks2, ks3, vd0, vd1, vd2, vd3, vs0, vs1, vs2, vs3,
                  kr0, kr1, vr0, vr1,

@@ -1,0 +1,445 @@
+"""One prepared GPU check (issue 6): kernel correctness, copy bandwidth, decode speed of
+every cache backend (reference vs Triton), attention alone, and the compiled step, in one
+JSON report. Under 8 minutes on one H200 (a time budget skips what does not fit).
+
+    python -m experiments.gpu_check                  # a CUDA GPU: the full check
+    python -m experiments.gpu_check smoke=true       # tiny shapes on the CPU (tests run this)
+    options: out=PATH (default $OUT/gpu_check.json, else outputs/gpu_check.json), budget_s=420
+
+Sections of the report:
+- copy_bandwidth: a device-to-device copy, bytes read + written per second (the roofline);
+- kernel_checks: every case of cache/kernels/check.py in fp32 and bf16, plus model shapes;
+- compiled: StaticDecoder (CUDA graph) batch-1 decode, SmolLM2 and Llama-3-8B shapes;
+- decode: batch 1 and 16 at 1k / 8k / 32k context, llama3-8b-shape and smollm2-135m-shape
+  random bf16 models, caches dense, sliding (window 4096 imposed: approximate), paged and
+  int4 with impl=reference and impl=triton (one filled cache, impl switched between runs);
+  tokens/s, bytes read per step (weights + K/V read) and that over the copy bandwidth;
+- attention: one layer's decode attention alone, per backend and impl, same grid;
+- verdicts: the issue's targets computed from the numbers above.
+Caches are filled with random K/V (no prefill: decode speed does not depend on values).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from cache.base import CacheLayout, reference_attention
+from cache.dense import DenseCache
+from cache.int4 import QStore, QuantizedCache, quantize
+from cache.kernels.check import CASES, Case, int4_case, paged_case, run_cases
+from cache.kernels.dispatch import impl_problems
+from cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
+from cache.paged import PagedCache
+from cache.sliding import SlidingCache
+from decoding.compiled import StaticDecoder
+from decoding.text import make_cache
+from models.loading import CONF_DIR, instantiate_unwrapped, random_model
+
+SMOLLM2_SHAPE = dict(family="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                     intermediate_size=1536, max_seq_len=40960, norm_eps=1e-5, tie_embeddings=True,
+                     rope=dict(theta=100000.0), eos_ids=[2])
+TINY_SHAPE = dict(family="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                  intermediate_size=128, max_seq_len=512, rope=dict(theta=10000.0))
+FULL = dict(device="cuda", dtype="bfloat16", contexts=(1024, 8192, 32768), batches=(1, 16), steps=8, warmup=2,
+            reps=10, copy_mib=4096, sliding=dict(window=4096, sinks=4), int4={}, kernel_dtypes=("float32", "bfloat16"))
+SMOKE = dict(device="cpu", dtype="float32", contexts=(130,), batches=(1, 2), steps=2, warmup=1, reps=2, copy_mib=16,
+             sliding=dict(window=32, sinks=2), int4=dict(residual=16, group_size=32, flush=32),
+             kernel_dtypes=("float32",))
+BACKENDS = (("dense", ("reference",)), ("sliding", ("reference",)), ("paged", ("reference", "triton")),
+            ("int4", ("reference", "triton")))
+
+
+class Report:
+    """The JSON report, written after every section, and the time budget."""
+
+    def __init__(self, path: Path, budget_s: float, plan: dict):
+        self.path, self.budget_s, self.t0 = path, budget_s, time.perf_counter()
+        self.data = {"meta": {"plan": {k: v for k, v in plan.items()}, "budget_s": budget_s}, "errors": [],
+                     "skipped": []}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def add(self, section: str, entry: dict) -> None:
+        self.data.setdefault(section, []).append(entry)
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {section}: {json.dumps(entry)[:240]}", flush=True)
+
+    def attempt(self, where: str, fn, *args, need_s: float = 0.0, **kw):
+        """fn(*args), or None with the error (or the skip) recorded: one failure never ends the run."""
+        if self.left() < need_s:
+            self.data["skipped"].append({"where": where, "why": f"time budget ({self.left():.0f}s left)"})
+            return None
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # recorded, then the next config runs
+            self.data["errors"].append({"where": where, "error": repr(e)[:2000],
+                                        "traceback": traceback.format_exc()[-3000:]})
+            print(f"ERROR in {where}: {e!r}", flush=True)
+            return None
+        finally:
+            release()
+
+    def write(self) -> None:
+        self.data["meta"]["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1))
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call(fn, device, n: int = 10, warmup: int = 2) -> float:
+    """Seconds per call of fn: mean of n calls after warm-up (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / n
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def triton_ok(device) -> bool:
+    return not impl_problems("triton", device)
+
+
+# -- environment and the roofline ---------------------------------------------------------
+def environment(device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env |= {"gpu": p.name, "sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1)}
+    return env
+
+
+def copy_bandwidth(device, mib: int) -> dict:
+    """A large device-to-device copy: bytes read + written per second."""
+    n = mib * 2**20
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = per_call(lambda: dst.copy_(src), device, n=10, warmup=3)
+    return {"bytes_per_copy": n, "seconds": t, "GBps": 2 * n / t / 1e9, "counted": "bytes read + bytes written"}
+
+
+# -- filling caches without a prefill -----------------------------------------------------
+def build_cache(name: str, model, batch: int, capacity: int, **overrides):
+    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "cache" / f"{name}.yaml"), overrides)
+    return make_cache(model, batch, capacity, instantiate_unwrapped(spec))
+
+
+def fill(cache, ctx: int) -> None:
+    """Make every row hold positions [0, ctx) of random K/V, as a prefill would leave it."""
+    B = cache.batch_size
+    if isinstance(cache, QuantizedCache):
+        return fill_int4(cache, ctx)
+    start, step = 0, ctx
+    if isinstance(cache, SlidingCache):  # only the last ring matters; chunks keep its read masks small
+        start, step = max(0, ctx - max((r or 0) for r in cache._rings) - 1), 256
+    for s in range(start, ctx, step):
+        cache.prepare(torch.arange(s, min(s + step, ctx)).expand(B, -1))
+    store = cache._kh + cache._vh if isinstance(cache, PagedCache) else cache.k + cache.v
+    for t in store:
+        t.normal_()
+
+
+def fill_int4(cache: QuantizedCache, ctx: int) -> None:
+    """The stores a one-pass prefill of ctx tokens leaves (quantized [0, V(ctx-1)), exact
+    from P0), quantized once (layer 0, row 0) and copied to every row and layer."""
+    lay, B = cache.layout, cache.batch_size
+    x = [torch.randn(lay.n_kv_heads, ctx, lay.head_dim, device=lay.device).to(lay.dtype) for _ in range(2)]
+    qs = cache.quantized_prefix(ctx - 1)
+    p0 = max(0, min(qs, cache.quantized_prefix(ctx - cache.rollback_limit)))
+    kq, vq = (quantize(t[:, :qs], g, cache.scale_dtype) for t, g in zip(x, (cache.kg, cache.vg)))
+    for layer in range(lay.n_layers):
+        for b in range(B):
+            cache.kq[layer][b] = QStore(*(t.clone() for t in kq.tensors()))
+            cache.vq[layer][b] = QStore(*(t.clone() for t in vq.tensors()))
+            cache.kr[layer][b], cache.vr[layer][b] = x[0][:, p0:].clone(), x[1][:, p0:].clone()
+    cache.lengths = torch.full((B,), ctx, dtype=torch.long)
+    cache.qs, cache.p0 = torch.full((B,), qs), torch.full((B,), p0)
+
+
+# -- bytes ------------------------------------------------------------------------------
+def weight_bytes(model, batch: int) -> int:
+    """Parameter bytes one decode step reads: all of them, but only `batch` rows of an
+    untied embedding (a tied one is read whole by the head)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        e = model.embed.weight
+        total -= (e.shape[0] - batch) * e.shape[1] * e.element_size()
+    return total
+
+
+def kv_read_bytes(cache, ctx: int) -> int:
+    """K/V bytes one decode step reads: every visible token of every layer (int4: its
+    stores, codes + scales + exact)."""
+    if isinstance(cache, QuantizedCache):
+        return cache.nbytes()
+    lay = cache.layout
+    elem = torch.empty((), dtype=lay.dtype).element_size()
+    tokens = sum(min(ctx, cache.window(layer) or ctx) for layer in range(lay.n_layers))
+    return cache.batch_size * tokens * 2 * lay.n_kv_heads * lay.head_dim * elem
+
+
+# -- decode -----------------------------------------------------------------------------
+@torch.no_grad()
+def step_seconds(step, device, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return (time.perf_counter() - t) / steps
+
+
+def plain_step(model, cache):
+    """The framework's decode step (what the decoders run), greedy, ids kept on the device."""
+    ids = torch.randint(0, model.cfg.vocab_size, (cache.batch_size, 1), device=model.device)
+
+    def step():
+        nonlocal ids
+        pos = cache.lengths[:, None].to(model.device)
+        ids = model(ids, pos, cache)[:, -1].argmax(-1, keepdim=True)
+    return step
+
+
+def speed(entry: dict, model, cache, ctx: int, seconds: float, copy_gbps: float | None) -> dict:
+    B = cache.batch_size
+    w, kv = weight_bytes(model, B), kv_read_bytes(cache, ctx)
+    gbps = (w + kv) / seconds / 1e9
+    return entry | {"tokens_per_s": B / seconds, "step_ms": seconds * 1e3, "weight_bytes": w, "kv_bytes_read": kv,
+                    "bytes_per_step": w + kv, "achieved_GBps": gbps,
+                    "fraction_of_copy_bw": gbps / copy_gbps if copy_gbps else None}
+
+
+def decode_grid(rep: Report, name: str, model, plan: dict, copy_gbps) -> None:
+    for batch in plan["batches"]:
+        for ctx in plan["contexts"]:
+            for backend, impls in BACKENDS:
+                rep.attempt(f"decode {name} b{batch} ctx{ctx} {backend}", decode_backend, rep, name, model, plan,
+                            backend, impls, batch, ctx, copy_gbps, need_s=10)
+            rep.write()
+
+
+def decode_backend(rep, name, model, plan, backend, impls, batch, ctx, copy_gbps) -> None:
+    opts = {"sliding": plan["sliding"], "int4": plan["int4"]}.get(backend, {})
+    cache = build_cache(backend, model, batch, ctx + 64, **opts)
+    fill(cache, ctx)
+    for impl in impls:
+        entry = {"model": name, "batch": batch, "context": ctx, "backend": getattr(cache, "label", backend),
+                 "impl": impl}
+        if impl == "triton" and not triton_ok(model.device):
+            rep.data["skipped"].append(entry | {"why": "no CUDA (and no TRITON_INTERPRET=1)"})
+            continue
+        cache.impl = impl  # the same filled cache runs both paths
+        s = step_seconds(plain_step(model, cache), model.device, plan["steps"], plan["warmup"])
+        rep.add("decode", speed(entry, model, cache, ctx, s, copy_gbps))
+
+
+def compiled_entry(rep, name, model, plan, backend, ctx, mode, copy_gbps) -> None:
+    cache = build_cache(backend, model, 1, -(-(ctx + 64) // 64) * 64)
+    fill(cache, ctx)
+    dec = StaticDecoder(model, cache, mode=mode)
+    ids = torch.randint(0, model.cfg.vocab_size, (1,), device=model.device)
+
+    def step():
+        nonlocal ids
+        ids = dec.step(ids).argmax(-1)
+    s = step_seconds(step, model.device, plan["steps"] * 4, plan["warmup"] + 1)
+    rep.add("compiled", speed({"model": name, "batch": 1, "context": ctx, "backend": backend, "mode": mode},
+                              model, cache, ctx, s, copy_gbps))
+
+
+# -- attention alone --------------------------------------------------------------------
+def attention_grid(rep: Report, plan: dict, shapes: dict, copy_gbps) -> None:
+    for name, shape in shapes.items():
+        for batch in plan["batches"]:
+            for ctx in plan["contexts"]:
+                rep.attempt(f"attention {name} b{batch} ctx{ctx}", attention_entry, rep, plan, name, shape, batch,
+                            ctx, copy_gbps, need_s=5)
+        rep.write()
+
+
+def attention_entry(rep, plan, name, shape, batch, ctx, copy_gbps) -> None:
+    """One layer's decode attention at ctx cached tokens: dense SDPA, paged (both impls),
+    int4 (the cache's reference path and the kernel)."""
+    Hq, Hkv, D = shape
+    dev, dtype = torch.device(plan["device"]), getattr(torch, plan["dtype"])
+    layout = CacheLayout(1, Hkv, D, dtype, dev, (None,), D**-0.5)
+    q, k, v = (torch.randn(batch, h, 1, D, device=dev).to(dtype) for h in (Hq, Hkv, Hkv))
+    pos = torch.full((batch, 1), ctx)
+    base = {"shape": name, "batch": batch, "context": ctx}
+    for cache, impls in ((DenseCache(layout, batch, ctx + 1), ("reference",)),
+                         (PagedCache(layout, batch, ctx + 1), ("reference", "triton"))):
+        fill(cache, ctx)
+        for impl in impls:
+            if impl == "triton" and not triton_ok(dev):
+                continue
+            cache.impl = impl
+            cache.prepare(pos)
+            t = per_call(lambda: cache.attend(0, q, k, v, pos.to(dev)), dev, plan["reps"])
+            rep.add("attention", rate(base | {"backend": type(cache).__name__, "impl": impl}, kv_read_bytes(cache, ctx),
+                                      t, copy_gbps))
+    c = QuantizedCache(layout, batch, ctx + 1, impl="reference", **plan["int4"])
+    fill_int4(c, ctx)
+    c.prepare(pos)
+    c._store(0, k, v)
+    view = c._plan.views[None][0]
+    ref = lambda: reference_attention(q, *c._gather(0, view), view.mask, D**-0.5, None, view.causal)  # noqa: E731
+    rows, (qpos, vis) = cache_rows(c, 0, view), kernel_queries(c)
+    entry = base | {"backend": "QuantizedCache"}
+    rep.add("attention", rate(entry | {"impl": "reference"}, c.nbytes(), per_call(ref, dev, plan["reps"]), copy_gbps))
+    if triton_ok(dev):
+        tri = lambda: int4_attention_triton(q, rows, qpos, vis, D**-0.5)  # noqa: E731
+        err = (tri().float() - ref().float()).abs().max().item()
+        rep.add("attention", rate(entry | {"impl": "triton", "max_abs_err_vs_reference": err}, c.nbytes(),
+                                  per_call(tri, dev, plan["reps"]), copy_gbps))
+
+
+def rate(entry: dict, nbytes: int, seconds: float, copy_gbps) -> dict:
+    gbps = nbytes / seconds / 1e9
+    return entry | {"us": seconds * 1e6, "kv_bytes": nbytes, "achieved_GBps": gbps,
+                    "fraction_of_copy_bw": gbps / copy_gbps if copy_gbps else None}
+
+
+# -- kernels ----------------------------------------------------------------------------
+def kernel_checks(rep: Report, plan: dict, shapes: dict, smoke: bool) -> None:
+    dev = plan["device"]
+    if not triton_ok(dev):
+        rep.data["skipped"].append({"where": "kernel_checks", "why": impl_problems("triton", dev)})
+        return
+    smoke_cases = ("paged-q4-causal", "dense-as-pool", "int4-decode")
+    cases = [c for c in CASES if c.name in smoke_cases or not smoke]
+    if not smoke:  # the model shapes, bf16, long rows of different lengths
+        for name, (Hq, Hkv, D) in shapes.items():
+            for T in (1, 5):
+                shape = dict(Hq=Hq, Hkv=Hkv, D=D, T=T)
+                cases.append(Case(f"paged-{name}-T{T}", paged_case,
+                                  shape | dict(B=4, bs=16, lengths=(4000, 1000, 9000, 17))))
+                cases.append(Case(f"int4-{name}-T{T}", int4_case,
+                                  shape | dict(B=3, lengths=(6000, 700, 129), group_size=64, residual=112, flush=64)))
+    for dtype in plan["kernel_dtypes"]:
+        for case in cases:
+            for r in rep.attempt(f"kernel {case.name} {dtype}", run_cases, dev, [getattr(torch, dtype)], [case]) or []:
+                rep.add("kernel_checks", r)
+
+
+# -- verdicts ---------------------------------------------------------------------------
+def verdicts(d: dict) -> dict:
+    """The issue's targets, from the numbers (None where the numbers are missing)."""
+    dec, att, comp = d.get("decode", []), d.get("attention", []), d.get("compiled", [])
+    pick = lambda rows, **kw: [r for r in rows if all(r.get(k) == v for k, v in kw.items())]  # noqa: E731
+    v = {"kernels_all_ok": all(r["ok"] for r in d["kernel_checks"]) if d.get("kernel_checks") else None}
+    llama = [r for r in pick(dec, model="llama3-8b-shape", batch=1, backend="dense") + pick(
+        comp, model="llama3-8b-shape", backend="dense")]
+    v["dense_b1_llama_best_fraction_of_copy_bw (target >= 0.8)"] = max(
+        (r["fraction_of_copy_bw"] or 0 for r in llama), default=None)
+    ratios = {}
+    for r in pick(dec, impl="triton", backend="paged"):
+        dense = pick(dec, model=r["model"], batch=r["batch"], context=r["context"], backend="dense")
+        if dense:
+            ratios[f"{r['model']} b{r['batch']} ctx{r['context']}"] = r["tokens_per_s"] / dense[0]["tokens_per_s"]
+    v["paged_triton_over_dense_tokens_per_s (target >= 0.9)"] = ratios
+    int4 = {}
+    for r in pick(att, backend="QuantizedCache", impl="triton"):
+        key = dict(shape=r["shape"], batch=r["batch"], context=r["context"])
+        dense = pick(att, backend="DenseCache", **key)
+        ref = pick(att, backend="QuantizedCache", impl="reference", **key)
+        int4[f"{r['shape']} b{r['batch']} ctx{r['context']}"] = {
+            "dense_us_over_int4_triton_us (target > 1 at 8k+)": dense[0]["us"] / r["us"] if dense else None,
+            "int4_reference_us_over_triton_us (target >= 2)": ref[0]["us"] / r["us"] if ref else None}
+    v["int4_attention"] = int4
+    smol = pick(comp, model="smollm2-135m-shape")
+    v["smollm2_compiled_b1_best_tokens_per_s (target >= 1500)"] = max((r["tokens_per_s"] for r in smol), default=None)
+    return v
+
+
+# -- the run ----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
+    smoke = args.get("smoke", "false").lower() in ("1", "true", "yes")
+    if not smoke and not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False). "
+              "On a GPU machine: python -m experiments.gpu_check; for the CPU dry run: "
+              "python -m experiments.gpu_check smoke=true", file=sys.stderr)
+        return 2
+    plan = dict(SMOKE if smoke else FULL)
+    out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("outputs/gpu_check.json")
+    rep = Report(Path(args.get("out", out)), float(args.get("budget_s", 120 if smoke else 420)), plan)
+    dev = torch.device(plan["device"])
+    torch.manual_seed(0)
+    rep.data["meta"] |= {"smoke": smoke, "environment": environment(dev)}
+    bw = rep.attempt("copy_bandwidth", copy_bandwidth, dev, plan["copy_mib"])
+    rep.data["copy_bandwidth"] = bw
+    gbps = bw["GBps"] if bw else None
+    llama = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "llama3-8b-shape.yaml"))["config"]
+    models = {"tiny-llama-shape": TINY_SHAPE} if smoke else {"smollm2-135m-shape": SMOLLM2_SHAPE,
+                                                             "llama3-8b-shape": llama}
+    shapes = {n: (c["n_heads"], c["n_kv_heads"], c["head_dim"]) for n, c in models.items()}
+    kernel_checks(rep, plan, shapes, smoke)
+    rep.write()
+    mode = "graph" if dev.type == "cuda" else "eager"
+    for name, config in models.items():
+        lm = rep.attempt(f"model {name}", random_model, config, dtype=plan["dtype"], device=str(dev), name=name,
+                         need_s=30)
+        if lm is None:
+            continue
+        for backend in ("dense", "paged"):
+            for ctx in plan["contexts"][:2] if "smollm2" in name else plan["contexts"]:
+                rep.attempt(f"compiled {name} {backend} ctx{ctx}", compiled_entry, rep, name, lm.model, plan,
+                            backend, ctx, mode, gbps, need_s=10)
+        rep.write()
+        decode_grid(rep, name, lm.model, plan, gbps)
+        del lm
+        release()
+    attention_grid(rep, plan, shapes, gbps)
+    name = next(iter(models))  # torch.compile, then a graph: last, and only with time to spare
+    lm = rep.attempt(f"model {name}", random_model, models[name], dtype=plan["dtype"], device=str(dev),
+                     need_s=150 if dev.type == "cuda" else 0)
+    if lm is not None:
+        rep.attempt(f"compiled {name} torch.compile", compiled_entry, rep, name, lm.model, plan, "dense",
+                    plan["contexts"][0], "compile" if dev.type == "cuda" else "eager", gbps)
+    rep.data["verdicts"] = verdicts(rep.data)
+    rep.write()
+    print(json.dumps({"verdicts": rep.data["verdicts"], "errors": len(rep.data["errors"]),
+                      "skipped": len(rep.data["skipped"]), "report": str(rep.path)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
