@@ -69,7 +69,8 @@ class StaticAttention:
         if isinstance(self.cache, PagedCache):
             self.table.copy_(self.cache.table, non_blocking=True)
 
-    def begin(self) -> None:
+    @torch.compiler.disable  # torch.compile (mode=compile) fuses the model around these; the cache
+    def begin(self) -> None:  # writes stay plain in-place ops (a traced one would copy whole layers)
         """Per forward, on the device: lengths and the new token's storage slot per (row, head)."""
         pos = self.pos[:, 0]  # [B]
         self.kv_len = (pos + 1).to(torch.int32)  # the new token is written before attention
@@ -79,6 +80,7 @@ class StaticAttention:
     def prepare(self, positions, valid=None) -> None:
         """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
 
+    @torch.compiler.disable
     def attend(self, layer, q, k, v, positions):
         """Write k, v [B, Hkv, 1, D] at each row's position; attend q [B, Hq, 1, D]."""
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):

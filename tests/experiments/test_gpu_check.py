@@ -59,4 +59,4 @@ def test_smoke_decodes_every_backend_and_impl(smoke):
         assert r["tokens_per_s"] > 0 and r["kv_bytes_read"] > 0
         assert r["bytes_per_step"] == r["weight_bytes"] + r["kv_bytes_read"]
     compiled = {(r["backend"], r["mode"]) for r in smoke["compiled"]}
-    assert {("dense", "eager"), ("paged", "eager")} <= compiled
+    assert {("dense", "eager"), ("paged", "eager"), ("dense", "compile")} <= compiled
