@@ -183,10 +183,11 @@ def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=Non
     return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
 
 
-def draft_model(target, model: dict, cache=DenseCache) -> ModelDrafter:
-    """Another checkpoint as the draft (a conf/model spec); its tokenizer must be the target's."""
-    from models.loading import instantiate_unwrapped
+def draft_model(target, model, cache=DenseCache) -> ModelDrafter:
+    """Another checkpoint as the draft (a LoadedModel, or a conf/model spec to load; Hydra
+    hands over the loaded model); its tokenizer must be the target's."""
+    from models.loading import LoadedModel, instantiate_unwrapped
 
-    lm = instantiate_unwrapped(model)
+    lm = model if isinstance(model, LoadedModel) else instantiate_unwrapped(model)
     tok = lambda m: m.tokenizer if (m.tokenizer_dir or m.tokenizer_from) else None  # noqa: E731
     return ModelDrafter(lm.model, cache, tokenizer=tok(lm), target_tokenizer=tok(target), name=lm.name)

@@ -27,21 +27,23 @@ def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     reasons, kept = [], []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        group = key.lstrip("+~")
+        group = key.lstrip("+~").split("@")[0]
         if arg.startswith("-") or not eq or not _is_group(group):
             kept.append(arg)
             continue
         names = group_options(group)
         bad = [v for v in value.split(",") if v and v != "null" and v not in names]
         if bad:
-            reasons += [f"{group}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
+            reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
         else:
             kept.append(f"{key}={value.split(',')[0]}")
     return reasons, kept
 
 
 def _is_group(key: str) -> bool:
-    return "." not in key and (CONF_DIR / key.lstrip("+~")).is_dir()
+    """`cache`, `+cache`, `model@draft.model` (a group placed at another package)."""
+    group = key.lstrip("+~").split("@")[0]
+    return "." not in group and (CONF_DIR / group).is_dir()
 
 
 def _first_value(arg: str) -> str:
