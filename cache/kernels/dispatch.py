@@ -23,7 +23,10 @@ DECODE_QUERIES = 16
 
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as none
+        return False
 
 
 def interpreting() -> bool:

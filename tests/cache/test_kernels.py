@@ -31,10 +31,15 @@ needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def pythonpath() -> str:
+    """The repo first, then whatever the test process was given."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     """(case, dtype) -> result of every case, run once under the Triton interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath())
     run = subprocess.run([sys.executable, "-m", "cache.kernels.check", "device=cpu", "dtypes=float32,bfloat16"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"the interpreter run failed:\n{run.stderr[-4000:]}"
@@ -62,7 +67,7 @@ def test_kernels_compile_for_hopper():
     caches launch for sm_90 (H100/H200), with the bundled ptxas, no GPU needed."""
     if not ptxas_bundled():
         pytest.skip("triton's bundled ptxas is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": pythonpath()}
     run = subprocess.run([sys.executable, "-m", "cache.kernels.check", "aot=90", "dtypes=bfloat16"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
