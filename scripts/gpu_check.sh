@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The prepared GPU check in one command, for a lent (offline) GPU machine:
+#   here:  make wheelhouse                 (hydra, omegaconf, antlr4, optimum-quanto, ... as wheels)
+#   there: bash scripts/gpu_check.sh       (the device tool: carry ["wheelhouse"], timeout_s 600)
+# Installs the wheels into /tmp/site (the machine's torch and triton are used as they are),
+# records the GPU, runs `python -m experiments.gpu_check` (its own budget: 420 s) and leaves
+# gpu_check.json, gpu_check.log and nvidia-smi.txt in $OUT (else outputs/).
+# Extra arguments go to gpu_check (e.g. budget_s=300, or smoke=true for the CPU dry run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+DEST=${OUT:-outputs}
+mkdir -p "$DEST"
+if [ -z "${NO_WHEELS:-}" ] && ls wheelhouse/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        wheelhouse/*.whl || { echo "installing wheelhouse/ failed" >&2; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv >"$DEST/nvidia-smi.txt" 2>&1
+cat "$DEST/nvidia-smi.txt"
+timeout 560 "$PY" -m experiments.gpu_check out="$DEST/gpu_check.json" "$@" 2>&1 | tee "$DEST/gpu_check.log"
