@@ -69,7 +69,10 @@ def bench_setting(lm, drafter, gamma: int, prompts: list[list[int]], cfg, plain:
 
 
 def drafter_for(cfg, name: str, lm, cache=None):
-    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "draft" / f"{name}.yaml"), cfg.draft_options.get(name, {}))
+    from hydra import compose  # conf/draft/<name>.yaml with its defaults list (draft=model holds a model)
+
+    spec = OmegaConf.merge(compose(config_name="config", overrides=["decoder=speculative", f"draft={name}"]).draft,
+                           cfg.draft_options.get(name, {}))
     kw = {"cache": cache} if cache is not None else {}
     return instantiate_unwrapped(spec)(target=lm, **kw)
 
