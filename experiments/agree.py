@@ -1,0 +1,462 @@
+"""The agreement matrix: every named setup (conf/setup/) against a reference, per prompt.
+
+    python -m experiments.agree [setups=[dense,paged,int4]] [reference=dense|transformers]
+        [model=smollm2-135m] [workload=jsonl workload.path=prompts.jsonl]
+        [forced_tokens=64] [free_tokens=32] [agreement.max_kl=0.01] [draft.layers=4]
+
+For each prompt the reference (our dense cache in one pass, or transformers' own model)
+gives the logits of one token sequence: the prompt + the workload's reply, else + the
+reference's greedy continuation. Each setup is teacher-forced over the same sequence
+through its own cache, fed as its decoder feeds it (one token per step; a speculative
+setup in verification steps of gamma + 1 tokens with rollbacks): max |logit
+difference|, mean KL(reference || setup) and top-1 agreement. Then each setup decodes
+`free_tokens` tokens with its own decoder: the first position where its output leaves
+the reference's greedy output (not judged for a sampling decoder).
+
+Thresholds come from each setup's `agreement:` block (null: not judged). The matrix is
+printed and written as agree.json and agree.md into the Hydra run directory. Exit 0:
+every setup within its thresholds; 1: some setup exceeds one; 2: a bad config or
+option, with every reason, before any weights load (an unknown group option or key too).
+An option of a group that agree's own defaults lack (paged's block_size, speculative's
+gamma) is given as ++cache.block_size=8: it reaches every setup that has it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from cache.dense import DenseCache
+from decoding.agreement import compare, dense_logits, forced_logits, hf_logits
+from decoding.decoders import greedy
+from decoding.generate import generate
+from decoding.prefill import prefill
+from decoding.text import make_cache
+from experiments import setup
+from experiments.common import run_conditions
+from models.errors import SetupError, raise_if
+from models.loading import CONF_DIR, instantiate_unwrapped
+
+log = logging.getLogger("decodelab.agree")
+
+OWN_KEYS = ("setups", "reference", "forced_tokens", "free_tokens")  # agree's options, not passed to setups
+REFERENCES = ("dense", "transformers")
+THRESHOLDS = ("max_abs_dlogit", "max_kl", "min_top1", "free_identical")
+FIXED_BY_SETUP = ("cache", "decoder", "setup", "experiment")  # groups a setup chooses (not the command line)
+
+
+# -- configs, all checked before weights load ---------------------------------------------
+def setup_names() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "setup").glob("*.yaml"))
+
+
+def option_problems(cfg: DictConfig) -> list[str]:
+    """agree's own options: setups, reference, forced_tokens, free_tokens."""
+    p = []
+    names = cfg.setups
+    if not OmegaConf.is_list(names) or not names or not all(isinstance(n, str) for n in names):
+        p.append(f"setups must be a non-empty list of setup names, got {names!r}; known: {setup_names()}")
+    else:
+        unknown = [n for n in names if n not in setup_names()]
+        if unknown:
+            p.append(f"unknown setup(s) {unknown}: each needs a conf/setup/<name>.yaml; known: {setup_names()}")
+        if len(set(names)) != len(names):
+            p.append(f"setups lists a name twice: {list(names)}")
+    if cfg.reference not in REFERENCES:
+        p.append(f"reference must be one of {list(REFERENCES)}, got {cfg.reference!r}")
+    if not _is_int(cfg.forced_tokens) or cfg.forced_tokens < 1:
+        p.append(f"forced_tokens must be an integer >= 1, got {cfg.forced_tokens!r}")
+    if not _is_int(cfg.free_tokens) or cfg.free_tokens < 0:
+        p.append(f"free_tokens must be an integer >= 0 (0: no free-running check), got {cfg.free_tokens!r}")
+    if cfg.get("threads") is not None and not (_is_int(cfg.threads) and cfg.threads >= 1):
+        p.append(f"threads must be null (torch's default) or an integer >= 1, got {cfg.threads!r}")
+    return p
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def threshold_problems(agreement) -> list[str]:
+    """A setup's `agreement:` block: known keys, each null or in range."""
+    if not OmegaConf.is_dict(agreement):
+        return [f"agreement must be a mapping of {list(THRESHOLDS)}, got {agreement!r}"]
+    p = [f"agreement.{k} is not a threshold; known: {list(THRESHOLDS)}" for k in agreement if k not in THRESHOLDS]
+    get = lambda k: agreement.get(k)  # noqa: E731
+    for k in ("max_abs_dlogit", "max_kl"):
+        if get(k) is not None and not (_is_number(get(k)) and get(k) >= 0):
+            p.append(f"agreement.{k} must be null (not judged) or a number >= 0, got {get(k)!r}")
+    if get("min_top1") is not None and not (_is_number(get("min_top1")) and 0 <= get("min_top1") <= 1):
+        p.append(f"agreement.min_top1 must be null (not judged) or a number in [0, 1], got {get('min_top1')!r}")
+    if get("free_identical") is not None and not isinstance(get("free_identical"), bool):
+        p.append(f"agreement.free_identical must be null, true or false, got {get('free_identical')!r}")
+    return p
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list, list[str]]:
+    """The command line's overrides for the setups: group selections (model=, workload=,
+    draft=), given to every setup's composition; option values (key=value, +key=value,
+    ++key=value), applied to every setup that has that key; and the problems (a cache=
+    or decoder= selection would replace what each setup chooses). agree's own options
+    are not passed on."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    groups, values, p = [], [], []
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        key = o.key_or_group
+        if key.split(".")[0] in OWN_KEYS:
+            continue
+        if "." not in key and (CONF_DIR / key).is_dir():
+            if key in FIXED_BY_SETUP:
+                p.append(f"{o.input_line}: each setup chooses its own {key}; pick setups with setups=[...] "
+                         f"(an option of a setup's {key}: ++{key}.OPTION=VALUE)")
+            else:
+                groups.append(o.input_line)
+        elif o.is_delete():
+            p.append(f"{o.input_line}: deleting keys is not supported by agree")
+        else:
+            values.append(o)
+    return groups, values, p
+
+
+def compose_setup(name: str, groups: list[str], values: list = ()) -> DictConfig:
+    """config.yaml + setup=<name> + group selections (Hydra's compose API), then each
+    option value whose key this setup has."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    args = [f"setup={name}", *groups]
+    if GlobalHydra.instance().is_initialized():  # inside @hydra.main: its search path is CONF_DIR
+        scfg = compose(config_name="config", overrides=args)
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            scfg = compose(config_name="config", overrides=args)
+    for o in values:
+        if _has(scfg, o.key_or_group):
+            OmegaConf.update(scfg, o.key_or_group, o.value(), merge=False)
+    return scfg
+
+
+_ABSENT = object()
+
+
+def _has(cfg: DictConfig | None, key: str) -> bool:
+    return cfg is not None and OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+
+
+def _setup_problems(name: str, groups: list[str], values: list) -> tuple[DictConfig | None, list[str]]:
+    """One setup composed and checked (decoder, cache, rollback, thresholds); its problems."""
+    try:
+        scfg = compose_setup(name, groups, values)
+    except Exception as e:  # Hydra's composition errors
+        return None, [f"setup {name}: {type(e).__name__}: {e}".replace("\n", " ")]
+    p = threshold_problems(scfg.get("agreement"))
+    try:
+        setup.check(scfg)
+    except SetupError as e:
+        p += e.reasons
+    return scfg, [f"setup {name}: {r}" for r in p]
+
+
+def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
+    """Every setup's config, composed and validated, with agree's options and the
+    workload; one SetupError with every reason of every setup (no weights load)."""
+    reasons = option_problems(cfg)
+    try:
+        instantiate_unwrapped(cfg.workload)
+    except SetupError as e:
+        reasons += e.reasons
+    groups, values, p = split_overrides(overrides)
+    reasons += p
+    known = [n for n in (cfg.setups if OmegaConf.is_list(cfg.setups) else []) if n in setup_names()]
+    composed = {}
+    for name in dict.fromkeys(known):
+        composed[name], p = _setup_problems(name, groups, values)
+        reasons += p
+    for o in values:  # a plain key=value Hydra has already matched against agree's own groups
+        if (o.is_add() or o.is_force_add()) and known and not any(_has(c, o.key_or_group) for c in composed.values()):
+            reasons.append(f"{o.input_line}: no chosen setup has the option {o.key_or_group}")
+    raise_if(reasons)
+    return composed
+
+
+def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
+    """name -> (cache factory, decoder) for the loaded model; problems only the model
+    reveals (e.g. a draft deeper than the target) reported for all setups together."""
+    built, reasons = {}, []
+    for name, scfg in composed.items():
+        try:
+            built[name] = setup.build(scfg, lm)
+        except SetupError as e:
+            reasons += [f"setup {name}: {r}" for r in e.reasons]
+    raise_if(reasons)
+    return built
+
+
+# -- the reference ------------------------------------------------------------------------
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation through its own cache: n ids (EOS ignored)."""
+    kw = hf_cache_kwarg(hf)
+    out = hf(torch.tensor([prompt], device=hf.device), use_cache=True, logits_to_keep=1)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < n:
+        ids = torch.tensor([[tokens[-1]]], device=hf.device)  # [1, 1]
+        out = hf(ids, use_cache=True, **{kw: getattr(out, kw)})
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def hf_cache_kwarg(hf) -> str:
+    """The name transformers gives the cache argument and output (`cache` since it
+    renamed `past_key_values` in 5.x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def free_run(model, factory, decoder, prompt: list[int], n: int) -> tuple[list[int], dict]:
+    """`n` tokens (EOS ignored) of a setup's own decoding, and its decoder statistics."""
+    cache = make_cache(model, 1, len(prompt) + n + decoder.lookahead, factory)
+    r = generate(model, cache, decoder, [prompt], n)
+    return r.tokens[0], r.stats
+
+
+def reference_fns(kind: str, lm):
+    """(logits(prompt, seq) -> [N, V], greedy(prompt, n) -> ids) of the reference."""
+    if kind == "transformers":
+        from experiments.baseline import hf_model_for
+
+        hf = hf_model_for(lm)
+        return partial(hf_logits, hf), partial(hf_greedy, hf)
+    return partial(dense_logits, lm.model), lambda p, n: free_run(lm.model, DenseCache, greedy(), p, n)[0]
+
+
+def prompt_ids(req, lm) -> list[int]:
+    return list(req.ids) if req.ids is not None else req.encode(lm.tokenizer)
+
+
+def reply_ids(req, lm, n: int) -> list[int]:
+    """The first `n` ids of the workload's reply (no special tokens); [] without one."""
+    if not req.reference:
+        return []
+    return list(lm.tokenizer.hf.encode(req.reference, add_special_tokens=False))[:n]
+
+
+# -- one setup on one sequence ------------------------------------------------------------
+@torch.no_grad()
+def verify_forced_logits(model, factory, prompt: list[int], seq: list[int], gamma: int) -> torch.Tensor:
+    """Logits [N, V] predicting seq[0..N-1], fed as speculative verification feeds the
+    target: prefill, then steps of the last kept token + gamma drafts (here the
+    sequence's own next tokens), of which k = gamma, gamma-1, ..., 0 (cycling) are kept
+    and the cache rolls the rest back, as after a rejection. The drafter cannot change
+    these logits, only which tokens are verified."""
+    cache = make_cache(model, 1, len(prompt) + len(seq) + gamma + 1, factory)
+    out = [prefill(model, cache, [prompt])[0]]  # predicts seq[0]
+    n, step = 0, 0  # seq[:n] is in the cache
+    while len(out) < len(seq):
+        feed = seq[n: n + gamma + 1]  # seq[n] is the token the last step produced
+        L = int(cache.lengths[0])
+        pos = torch.arange(L, L + len(feed), device=model.device)[None]  # [1, F]
+        logits = model(torch.tensor([feed], device=model.device), pos, cache)[0]  # [F, V]: row i predicts seq[n+i+1]
+        k = min(gamma - step % (gamma + 1), len(feed) - 1)  # drafts kept
+        out.extend(logits[: k + 1])
+        cache.truncate(torch.tensor([L + k + 1]))  # roll back the rejected drafts
+        n, step = n + k + 1, step + 1
+    return torch.stack(out[: len(seq)]).float()
+
+
+def setup_logits(model, factory, decoder, prompt: list[int], seq: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [N, V] through the setup's cache, fed as its decoder feeds it."""
+    gamma = getattr(decoder, "gamma_max", 0)  # speculative decoders verify gamma + 1 at a time
+    if gamma:
+        return verify_forced_logits(model, factory, prompt, seq, gamma)
+    return forced_logits(model, factory, prompt, seq)
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """First position where two token lists differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def measure(model, built: tuple, prompt: list[int], seq: list[int], ref_logits, ref_free: list[int]) -> dict:
+    """One setup on one prompt: teacher-forced agreement and the free-running first diff."""
+    factory, decoder = built
+    logits = setup_logits(model, factory, decoder, prompt, seq).to(ref_logits.device)  # [N, V]
+    row = compare(ref_logits.double(), logits.double())  # float64: a KL of ~1e-12 is not lost in rounding
+    row["first_diff"], row["decoder_stats"] = None, {}
+    if ref_free:
+        toks, stats = free_run(model, factory, decoder, prompt, len(ref_free))
+        row["first_diff"], row["decoder_stats"] = first_diff(toks, ref_free), stats
+    return row
+
+
+# -- the matrix ---------------------------------------------------------------------------
+def summarize(name: str, scfg: DictConfig, decoder, per_prompt: list[dict], free_tokens: int) -> dict:
+    """A setup's row: worst |dlogit|, position-weighted mean KL and top-1, first diffs."""
+    n = sum(r["positions"] for r in per_prompt)
+    diffs = [r["first_diff"] for r in per_prompt if r["first_diff"] is not None]
+    sampled = float(scfg.decoder.get("temperature", 0.0) or 0.0) > 0
+    row = {"setup": name, "cache": OmegaConf.to_container(scfg.cache), "decoder": repr(decoder),
+           "max_abs_dlogit": max(r["max_abs_dlogit"] for r in per_prompt),
+           "mean_kl": sum(r["kl"] * r["positions"] for r in per_prompt) / n,
+           "top1": sum(r["top1"] * r["positions"] for r in per_prompt) / n, "positions": n,
+           "first_diff": min(diffs) if diffs else None, "prompts_differing": len(diffs),
+           "prompts": len(per_prompt), "free_tokens": free_tokens, "sampled": sampled,
+           "thresholds": OmegaConf.to_container(scfg.agreement)}
+    row["failures"] = judge(row)
+    row["passed"] = not row["failures"]
+    return row
+
+
+def judge(row: dict) -> list[str]:
+    """Every threshold the row exceeds (NaN exceeds all); sampled output is not judged."""
+    t, out = row["thresholds"], []
+    if t.get("max_abs_dlogit") is not None and not row["max_abs_dlogit"] <= t["max_abs_dlogit"]:
+        out.append(f"max |dlogit| {row['max_abs_dlogit']:.3g} > {t['max_abs_dlogit']:.3g}")
+    if t.get("max_kl") is not None and not row["mean_kl"] <= t["max_kl"]:
+        out.append(f"mean KL {row['mean_kl']:.3g} > {t['max_kl']:.3g}")
+    if t.get("min_top1") is not None and not row["top1"] >= t["min_top1"]:
+        out.append(f"top-1 {row['top1']:.4f} < {t['min_top1']:.4f}")
+    if t.get("free_identical") and not row["sampled"] and row["free_tokens"] and row["prompts_differing"]:
+        out.append(f"free-running output differs from the reference's at token {row['first_diff']} "
+                   f"({row['prompts_differing']}/{row['prompts']} prompts)")
+    return out
+
+
+def _first_diff_cell(r: dict) -> str:
+    if not r["free_tokens"]:
+        return "n/a"
+    cell = "none" if r["first_diff"] is None else f"{r['first_diff']} ({r['prompts_differing']}/{r['prompts']})"
+    return cell + (" sampled" if r["sampled"] else "")
+
+
+def _thresholds_cell(t: dict) -> str:
+    parts = [f"{label}{t[k]:.0e}" for k, label in (("max_abs_dlogit", "dl<="), ("max_kl", "KL<="))
+             if t.get(k) is not None]
+    parts += [f"top1>={t['min_top1']:g}"] if t.get("min_top1") is not None else []
+    parts += ["same"] if t.get("free_identical") else []
+    return " ".join(parts) or "none"
+
+
+def markdown(rows: list[dict]) -> str:
+    """The matrix as a Markdown table: one row per setup."""
+    head = "| setup | max abs dlogit | mean KL | top1 | first diff | thresholds | result |\n" + "|---" * 7 + "|\n"
+    return head + "".join(
+        f"| {r['setup']} | {r['max_abs_dlogit']:.2e} | {r['mean_kl']:.2e} | {r['top1']:.4f} | "
+        f"{_first_diff_cell(r)} | {_thresholds_cell(r['thresholds'])} | {'PASS' if r['passed'] else 'FAIL'} |\n"
+        for r in rows)
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def write_outputs(out_dir: Path, header: dict, rows: list[dict], per_prompt: dict) -> list[Path]:
+    """agree.json (everything, per prompt too) and agree.md (the matrix) in `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r["per_prompt"] = per_prompt[r["setup"]]
+    doc = {**header, "passed": all(r["passed"] for r in rows), "rows": rows}
+    md = f"# Agreement matrix\n\n{_header_line(header)}\n\n{markdown(rows)}"
+    return [write_atomic(out_dir / "agree.json", json.dumps(doc, indent=1, default=str)),
+            write_atomic(out_dir / "agree.md", md)]
+
+
+def _header_line(h: dict) -> str:
+    return (f"model {h['model']} | reference {h['reference']} | {h['prompts']} prompts ({h['workload']}) | "
+            f"teacher-forced {h['forced_tokens']} tokens per prompt (at most) | free-running {h['free_tokens']}")
+
+
+# -- the run ------------------------------------------------------------------------------
+def run_matrix(cfg: DictConfig, composed: dict[str, DictConfig], lm, built: dict) -> tuple[list[dict], dict]:
+    """Every setup on every prompt; the reference's logits and greedy output are
+    computed once per prompt and shared by all setups."""
+    ref_logits_fn, ref_greedy = reference_fns(cfg.reference, lm)
+    reqs = instantiate_unwrapped(cfg.workload)(lm)
+    per_prompt = {name: [] for name in composed}
+    for i, req in enumerate(reqs):
+        prompt = prompt_ids(req, lm)
+        seq = reply_ids(req, lm, cfg.forced_tokens)
+        teacher = "reply" if seq else "greedy"
+        need = max(cfg.free_tokens, 0 if seq else cfg.forced_tokens)
+        cont = ref_greedy(prompt, need) if need else []
+        seq = seq or cont[: cfg.forced_tokens]
+        ref_logits = ref_logits_fn(prompt, seq)  # [N, V]
+        for name in composed:
+            r = measure(lm.model, built[name], prompt, seq, ref_logits, cont[: cfg.free_tokens])
+            per_prompt[name].append({"id": req.id, "prompt_tokens": len(prompt), "teacher": teacher, **r})
+        log.info("prompt %d/%d (%d tokens, %d forced) done", i + 1, len(reqs), len(prompt), len(seq))
+    rows = [summarize(name, composed[name], built[name][1], per_prompt[name], cfg.free_tokens) for name in composed]
+    return rows, per_prompt
+
+
+def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None) -> int:
+    """Check every setup, load the model once, print and write the matrix; the exit code
+    (0 all within thresholds, 1 some setup exceeds one, 2 a bad config)."""
+    try:
+        composed = check_all(cfg, overrides)  # before any weights load
+        if cfg.get("threads"):
+            torch.set_num_threads(int(cfg.threads))
+        lm = instantiate_unwrapped(cfg.model)
+        built = build_all(composed, lm)
+        rows, per_prompt = run_matrix(cfg, composed, lm, built)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    header = {"model": lm.name, "reference": cfg.reference, "workload": cfg.workload._target_.rsplit(".", 1)[-1],
+              "prompts": rows[0]["prompts"], "forced_tokens": cfg.forced_tokens, "free_tokens": cfg.free_tokens,
+              "conditions": run_conditions(lm.model), "config": OmegaConf.to_container(cfg)}
+    print(_header_line(header))
+    print(markdown(rows), end="")
+    for r in rows:
+        for f in r["failures"]:
+            print(f"FAIL {r['setup']}: {f}")
+    if out_dir is not None:
+        for p in write_outputs(Path(out_dir), header, rows, per_prompt):
+            print(f"wrote {p}")
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="agree")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    code = run(cfg, list(hc.overrides.task), hc.runtime.output_dir)
+    if code:
+        sys.exit(code)
+
+
+def cli() -> None:
+    """Console entry: unknown group options and keys are reported with every other
+    problem of every setup (exit 2, no traceback) before Hydra runs `main`."""
+    from experiments.cli import precheck, split_choices
+
+    argv = sys.argv[1:]
+    overrides = [a for a in split_choices(argv)[1] if not a.startswith(("-", "hydra"))]
+    precheck(argv, "agree", lambda cfg: check_all(cfg, overrides))
+    main()
+
+
+if __name__ == "__main__":
+    cli()
