@@ -183,7 +183,7 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
     """The run's summary line: medians / pooled percentiles / totals over its prompts."""
     itl = sorted(x / 1e3 for r in recs for x in r["itl_ms"])
     dec_tokens = sum(len(r["itl_ms"]) for r in recs)
-    dec_s = sum(r["itl_ms"] and sum(r["itl_ms"]) / 1e3 for r in recs)
+    dec_s = sum(sum(r["itl_ms"]) for r in recs) / 1e3
     pre_s = sum(r["prefill_ms"] for r in recs) / 1e3
     spec = [r["spec"] for r in recs if r["spec"]]
     agree = [r["agreement"] for r in recs if r["agreement"]]
