@@ -40,7 +40,9 @@ def is_speculative(decoder) -> bool:
 
 def check(cfg: DictConfig) -> None:
     """Every problem of the decoder and cache configs, before weights load."""
-    reasons: list[str] = []
+    from models.loading import option_problems
+
+    reasons: list[str] = option_problems(cfg.model.get("weights", "none"), cfg.model.get("matmul", "auto"))
     decoder = _collect(reasons, lambda: instantiate_unwrapped(cfg.decoder))
     if is_speculative(decoder):
         decoder = _collect(reasons, lambda: decoder(drafter=None))

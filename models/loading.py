@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig, from_hf_config
-from models.errors import SetupError
+from models.errors import SetupError, raise_if
 from models.transformer import Transformer
 from models.weights import from_hf_state
 
@@ -90,19 +90,20 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
 
 def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float32",
                  device: str | None = "auto", name: str = "random", tokenizer: str | None = None,
-                 max_seq_len: int | None = None) -> LoadedModel:
+                 max_seq_len: int | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
     """A randomly initialized model, built directly on its device and dtype (Llama-3-8B
     shapes fit a GPU without a CPU copy); `tokenizer` names a model whose tokenizer it
     borrows."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
     if max_seq_len:
         cfg = cfg.with_(max_seq_len=max_seq_len)
+    raise_if(option_problems(weights, matmul))
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype=dt).to_empty(device=dev)
     init_random_(model, seed)
-    model = _ready(model)
+    model = _ready(model, weights, matmul)
     if tokenizer:
         model_spec(tokenizer)  # an unknown name fails now, not at first use
     return LoadedModel(model, name, tokenizer_from=tokenizer)
@@ -115,8 +116,25 @@ def _with_rope_defaults(d: dict) -> dict:
     return d
 
 
-def _ready(model: Transformer) -> Transformer:
-    """Eval mode, and the CPU head layout built now rather than in the first request."""
+def option_problems(weights: str = "none", matmul: str = "auto") -> list[str]:
+    """Every problem of the model options that are not architecture (checked before
+    any weights load): `weights` none | int8 | int4 (optimum-quanto weight-only
+    quantization of the projections) and `matmul` (models.matmul.IMPLS)."""
+    from models.matmul import impl_problems
+    from models.quantize import WEIGHT_TYPES
+
+    p = [] if weights in WEIGHT_TYPES else [f"weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
+    return p + impl_problems(matmul)
+
+
+def _ready(model: Transformer, weights: str = "none", matmul: str = "auto") -> Transformer:
+    """Eval mode, the matmul impl, weight quantization, and the CPU head layout built
+    now rather than in the first request."""
+    model.set_matmul(matmul)
+    if weights != "none":
+        from models.quantize import quantize_weights
+
+        model = quantize_weights(model, weights, copy=False)
     if model.lm_head is None and model.device.type == "cpu":
         model.tied_head_t()
     return model.eval()
@@ -124,7 +142,7 @@ def _ready(model: Transformer) -> Transformer:
 
 # -- transformers directories -------------------------------------------------------
 def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "auto",
-                name: str | None = None) -> LoadedModel:
+                name: str | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
     """A transformers model directory: config.json + *.safetensors."""
     from transformers import AutoConfig
 
@@ -132,9 +150,9 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
     files = sorted(path.glob("*.safetensors"))
     problems = [] if (path / "config.json").is_file() else [f"{path} has no config.json"]
     if not files:
-        problems.append(f"{path} has no *.safetensors weight file")
-    if problems:
-        raise SetupError([*problems, "point the model at a transformers model directory"])
+        problems.append(f"{path} has no *.safetensors weight file; point the model at a transformers model "
+                        "directory")
+    raise_if(problems + option_problems(weights, matmul))
     cfg = from_hf_config(AutoConfig.from_pretrained(path))
     state = {}
     for f in files:
@@ -142,7 +160,7 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(from_hf_state(cfg, state), strict=True, assign=True)
-    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)))
+    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)), weights, matmul)
     return LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path)
 
 
@@ -217,8 +235,9 @@ def _save_hf(hf, out: Path) -> None:
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
-              name: str | None = None) -> LoadedModel:
-    return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem)
+              name: str | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
+    raise_if(option_problems(weights, matmul))  # before the conversion
+    return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul)
 
 
 def package_file(package: str, file: str | None = None) -> Path:
@@ -238,8 +257,10 @@ def package_file(package: str, file: str | None = None) -> Path:
 
 
 def load_package_gguf(package: str, file: str | None = None, dtype: str = "float32",
-                      device: str | None = "auto", name: str | None = None) -> LoadedModel:
-    return load_gguf(package_file(package, file), dtype, device, name)
+                      device: str | None = "auto", name: str | None = None, weights: str = "none",
+                      matmul: str = "auto") -> LoadedModel:
+    raise_if(option_problems(weights, matmul))  # before the package's file is assembled
+    return load_gguf(package_file(package, file), dtype, device, name, weights, matmul)
 
 
 # -- by name ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ they pay off on GPUs. Quantized models need `torch.no_grad()` rather than
 
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 
 import torch
 from torch import nn
@@ -31,16 +31,19 @@ def _as_linear(p: Proj) -> nn.Linear:
     return lin
 
 
-def quantize_weights(model, weights: str = "int8", group_size: int = 64):
-    """A copy of `model` whose projections hold quanto `weights` (none | int8 | int4);
-    embeddings, norms and the tied head stay in the model dtype."""
+def quantize_weights(model, weights: str = "int8", copy: bool = True):
+    """`model` (a copy of it, unless `copy=False`) with its projections holding quanto
+    `weights` (none | int8 | int4); embeddings, norms and the tied head stay in the
+    model dtype. int8 scales per output channel; int4 per group of input channels, whose
+    size quanto picks (128, or the largest multiple of 32 down to 32 dividing the input
+    size)."""
     if weights not in WEIGHT_TYPES:
         raise SetupError(f"weights {weights!r} unknown; use one of {WEIGHT_TYPES}")
     if weights == "none":
         return model
     from optimum.quanto import freeze, qint4, qint8, quantize
 
-    q = copy.deepcopy(model)
+    q = deepcopy(model) if copy else model
     for module in list(q.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, Proj):
@@ -48,4 +51,5 @@ def quantize_weights(model, weights: str = "int8", group_size: int = 64):
     quantize(q, weights={"int8": qint8, "int4": qint4}[weights])
     freeze(q)
     q._head_t = None
+    q.set_matmul(q.matmul)  # drop packed copies the quantized projections no longer use
     return q.eval()

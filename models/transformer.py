@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import ModelConfig
+from models.errors import raise_if
+from models.matmul import PackedWeight, impl_problems, project, resolve_impl
 
 
 class RMSNorm(nn.Module):
@@ -33,16 +35,17 @@ class RMSNorm(nn.Module):
 class Proj(nn.Module):
     """y = x @ W (+ b) with W stored [in, out]: on CPU, MKL's kernels read this layout at
     up to 2x the bandwidth of nn.Linear's [out, in] for the one-row products of decoding
-    (see experiments/README.md)."""
+    (see experiments/README.md). Multi-row products take `models.matmul`'s `matmul` impl."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))  # [in, out]
         self.bias = nn.Parameter(torch.zeros(n_out)) if bias else None
+        self.matmul = "reference"  # resolved impl, set by Transformer.set_matmul
+        self.packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight
-        return y if self.bias is None else y + self.bias
+        return project(x, self.weight, self.bias, self.matmul, self.packed)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +142,8 @@ class Transformer(nn.Module):
         # the model to bf16 never rounds them
         self._inv_freq: dict = {}
         self._head_t: tuple | None = None  # (source key, [D, V] copy of a tied embedding)
+        self.matmul = "reference"  # resolved `models.matmul` impl of every projection
+        self._head_packed = PackedWeight()
 
     @property
     def device(self) -> torch.device:
@@ -176,6 +181,17 @@ class Transformer(nn.Module):
             self._inv_freq[key] = rope.inv_freq(self.cfg.head_dim).to(device)
         return self._inv_freq[key]
 
+    def set_matmul(self, impl: str) -> "Transformer":
+        """Every projection (and the tied head) computes with `impl` (models.matmul.IMPLS)."""
+        raise_if(impl_problems(impl))
+        self.matmul = resolve_impl(impl)
+        for m in self.modules():
+            if isinstance(m, Proj):
+                m.matmul = self.matmul
+                m.packed.clear()
+        self._head_packed.clear()
+        return self
+
     def tied_head_t(self) -> torch.Tensor:
         """[D, V] contiguous copy of the tied embedding, for the CPU's faster layout
         (rebuilt whenever the embedding's storage, dtype or device changes)."""
@@ -190,7 +206,7 @@ class Transformer(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(x)
         elif x.device.type == "cpu":
-            logits = x @ self.tied_head_t()
+            logits = project(x, self.tied_head_t(), None, self.matmul, self._head_packed)
         else:
             logits = F.linear(x, self.embed.weight)
         if self.cfg.final_softcap:
