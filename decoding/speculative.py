@@ -84,7 +84,16 @@ class SpeculativeStats:
         self.gammas: list[int] = []
 
     def record(self, n: torch.Tensor, active: torch.Tensor, gamma: int, alpha: torch.Tensor) -> None:
-        """n [B] accepted, active [B] bool, alpha [B, G] overlaps."""
+        """n [B] accepted, active [B] bool, alpha [B, G] overlaps.
+
+        alpha is averaged over the draft positions whose prefix is the text decoding
+        really produced: the accepted ones and the first rejected one (positions
+        0..n). Leviathan's alpha is E[beta] over the prefixes the process visits;
+        behind a rejection the draft was scored against a prefix that was thrown away,
+        and for drafts whose errors come in runs (prompt lookup copying a passage) the
+        overlaps there overstate it (experiments/README.md, "alpha over visited
+        positions")."""
+        visited = (torch.arange(gamma)[None] <= n[:, None].cpu())[active]  # [b, G]
         n, act = n[active].tolist(), int(active.sum())
         self.calls += 1
         self.rows += act
@@ -92,14 +101,14 @@ class SpeculativeStats:
         for i in range(gamma):
             self.proposed[i] += act
             self.accepted[i] += sum(1 for x in n if x > i)
-        self.alpha_sum += float(alpha[active].sum())
-        self.alpha_n += alpha[active].numel()
+        self.alpha_sum += float(alpha[active].cpu()[visited].sum())
+        self.alpha_n += int(visited.sum())
         self.gammas.append(gamma)
 
     def summary(self) -> dict:
         alpha = self.alpha_sum / max(1, self.alpha_n)
         gamma = sum(self.gammas) / max(1, len(self.gammas))
-        c = (self.draft_s / max(1, self.draft_steps)) / (self.verify_s / max(1, self.calls)) if self.calls else 0.0
+        c = (self.draft_s / max(1, self.draft_steps)) / (self.verify_s / self.calls) if self.verify_s else 0.0
         return {
             "acceptance_per_position": [a / p if p else None for a, p in zip(self.accepted, self.proposed)],
             "acceptance_rate": sum(self.accepted) / max(1, sum(self.proposed)),

@@ -10,7 +10,8 @@ from scipy import stats
 from decoding import generate, greedy
 from decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
 from decoding.sampling import SamplingParams, logits_to_probs
-from decoding.speculative import SpeculativeDecoder, leviathan_speedup, overlap, rejection_sample
+from decoding.speculative import (SpeculativeDecoder, SpeculativeStats, leviathan_speedup, overlap,
+                                  rejection_sample)
 from models.errors import SetupError
 from models.loading import random_model
 from tests.conftest import TINY, cache_for, random_ids
@@ -51,6 +52,18 @@ def test_draft_equal_to_target_accepts_everything(tiny_llama):
     # every target call but possibly the last (cut by max_new_tokens) yields gamma + 1 tokens
     assert s["tokens_per_target_call"] == pytest.approx(5.0)
     assert s["alpha"] == pytest.approx(1.0)
+
+
+def test_alpha_counts_only_positions_on_the_produced_prefix():
+    st = SpeculativeStats(4)
+    overlaps = torch.tensor([[1.0, 0.0, 1.0, 1.0],  # 1 accepted: positions 0 and 1 count
+                             [1.0, 1.0, 1.0, 1.0],  # all 4 accepted: all count
+                             [0.5, 0.5, 0.5, 0.5]])  # frozen row: nothing counts
+    st.record(torch.tensor([1, 4, 0]), torch.tensor([True, True, False]), 4, overlaps)
+    s = st.summary()
+    assert s["alpha"] == pytest.approx(5 / 6)  # not (3 + 4) / 8 over every position
+    assert s["tokens_per_target_call"] == pytest.approx((2 + 5) / 2)
+    assert s["acceptance_per_position"] == [1.0, 0.5, 0.5, 0.5]
 
 
 def test_adaptive_gamma_grows_when_all_accepted(tiny_llama):
