@@ -42,6 +42,17 @@ def rejection_sample(
     return n, nxt
 
 
+def greedy_accept(
+    best: torch.Tensor,  # [B, G + 1] the target's argmax at each draft position and the bonus one
+    draft: torch.Tensor,  # [B, G] proposed tokens
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` at temperature 0, without building distributions: with one-hot
+    p and q, x_i is accepted iff it is the target's argmax, and the next token is the
+    argmax after the accepted prefix (the resample, or the bonus when all G are accepted)."""
+    n = (draft == best[:, :-1]).long().cumprod(-1).sum(-1)  # [B]
+    return n, best.gather(1, n[:, None]).squeeze(1)
+
+
 def overlap(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """sum_x min(p(x), q(x)) per position: the acceptance probability alpha."""
     return torch.minimum(p, q).sum(-1)
@@ -185,14 +196,21 @@ class SpeculativeDecoder:
         ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
         positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
         valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
-        p = logits_to_probs(model(ids, positions, cache, valid=valid), self.params)  # [B, G + 1, V]
+        logits = model(ids, positions, cache, valid=valid)  # [B, G + 1, V]
         t2 = time.perf_counter()
-        n, nxt = rejection_sample(p, q, draft, self.generator)
+        if self.params.greedy:  # one-hot p and q: sum_x min(p, q) is 1 iff the draft is the argmax
+            best = logits.argmax(-1)  # [B, G + 1]
+            n, nxt = greedy_accept(best, draft)
+            alpha = (draft == best[:, :G]).float()
+        else:
+            p = logits_to_probs(logits, self.params)  # [B, G + 1, V]
+            n, nxt = rejection_sample(p, q, draft, self.generator)
+            alpha = overlap(p[:, :G], q)  # [B, G]
         n_cpu = torch.where(active, n.cpu(), torch.zeros_like(n.cpu()))
         # keep last + the accepted drafts; frozen rows keep exactly what they had
         cache.truncate(torch.where(active, L + 1 + n_cpu, L))
         self.drafter.commit(n_cpu, nxt, active)
-        self._stats.record(n_cpu, active, G, overlap(p[:, :G], q))
+        self._stats.record(n_cpu, active, G, alpha)
         out = [draft[b, : n_cpu[b]].tolist() + [int(nxt[b])] for b in range(B)]
         self._adapt(n_cpu, active)
         t3 = time.perf_counter()

@@ -10,7 +10,7 @@ from scipy import stats
 from decoding import generate, greedy
 from decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
 from decoding.sampling import SamplingParams, logits_to_probs
-from decoding.speculative import (SpeculativeDecoder, SpeculativeStats, leviathan_speedup, overlap,
+from decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup, overlap,
                                   rejection_sample)
 from models.errors import SetupError
 from models.loading import random_model
@@ -146,6 +146,18 @@ def test_rejection_sampler_greedy_is_exact():
     q = torch.nn.functional.one_hot(torch.tensor([[3, 2]]), 6).float()
     n, nxt = rejection_sample(p, q, torch.tensor([[3, 2]]))
     assert n.tolist() == [1] and nxt.tolist() == [1]
+
+
+def test_greedy_accept_is_rejection_sampling_with_one_hot_distributions():
+    g = torch.Generator().manual_seed(0)
+    B, G, V = 4000, 5, 4  # small vocabulary: every accepted length 0..G occurs
+    best = torch.randint(0, V, (B, G + 1), generator=g)
+    draft = torch.where(torch.rand(B, G, generator=g) < 0.8, best[:, :G], torch.randint(0, V, (B, G), generator=g))
+    one_hot = lambda t: torch.nn.functional.one_hot(t, V).float()  # noqa: E731
+    n_ref, nxt_ref = rejection_sample(one_hot(best), one_hot(draft), draft, g)
+    n, nxt = greedy_accept(best, draft)
+    assert torch.equal(n, n_ref) and torch.equal(nxt, nxt_ref)
+    assert set(n.tolist()) == set(range(G + 1))
 
 
 def test_speculative_sampling_matches_plain_sampling_distribution():
