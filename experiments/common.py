@@ -46,12 +46,26 @@ def run_conditions(model=None) -> dict:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    cond = {"git": _git_rev(), "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+    cond = {"git": _git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             **versions}
     if model is not None:
-        cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
+        cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
+                    matmul=getattr(model, "matmul", None))
     return cond
+
+
+def cpu_name() -> str:
+    """The CPU's model name and widest vector ISA (from /proc/cpuinfo where there is one)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines()  # noqa: E731
+                              if ln.startswith(key)), "")
+    flags = field("flags").split()
+    isa = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "")
+    return " ".join(x for x in (field("model name") or platform.machine(), isa) if x)
 
 
 def _fmt(v) -> str:

@@ -6,10 +6,15 @@ speedup Leviathan's formula predicts, and the implementation efficiency
     python -m experiments.spec_bench [part=speed] [prompts=5] [new_tokens=128] [gammas=[2,4,8]]
         [drafts=[prompt-lookup,early-exit]]
     python -m experiments.spec_bench part=lossless prompts=20 new_tokens=64 gammas=[4]
+    python -m experiments.spec_bench part=verify_cost [tokens=[1,2,3,5,9]] [impls=[reference,onednn]]
 
 Speedup = sum over prompts of plain decode time / sum of speculative decode time
 (decode time: first to last generated token). Runs alternate plain and speculative
 per prompt; every figure is printed with the run conditions.
+
+`part=verify_cost` times one target forward of T tokens after the first prompt (what a
+verify call over gamma = T - 1 drafts costs) for each `models.matmul` impl, as a ratio to
+T = 1 under the same impl; impls alternate per T, medians over `repeats`.
 
 Costs are measured in this run in units of one plain greedy decode step: c_draft (one
 draft step) and c_verify (one target call over gamma + 1 tokens). Leviathan's formula
@@ -22,6 +27,7 @@ efficiency_vs_leviathan = measured / Leviathan's.
 from __future__ import annotations
 
 import statistics
+import time
 
 import hydra
 import torch
@@ -33,6 +39,7 @@ from decoding.speculative import SpeculativeDecoder, predicted_speedups
 from decoding.text import make_cache
 from experiments.common import print_table, write_results
 from experiments.workloads import sharegpt
+from models.errors import SetupError
 from models.loading import CONF_DIR, instantiate_unwrapped
 
 
@@ -87,6 +94,40 @@ def speed(cfg, lm, prompts) -> list[dict]:
     return rows
 
 
+def forward_ms(model, cache, T: int, repeats: int) -> float:
+    """Median ms of one forward of T tokens after what `cache` holds (rolled back after each)."""
+    L = cache.lengths.clone()
+    ids = torch.full((1, T), 5, dtype=torch.long)
+    positions = L[:, None] + torch.arange(T)[None]
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):  # the first is a warm-up (it may pack weights)
+            t0 = time.perf_counter()
+            model(ids, positions, cache)
+            times.append(time.perf_counter() - t0)
+            cache.truncate(L)
+    return 1e3 * statistics.median(times[1:])
+
+
+def verify_cost(cfg, lm, prompts) -> list[dict]:
+    """Forward of T tokens vs one token, per matmul impl, at the first prompt's context."""
+    from decoding.prefill import prefill
+
+    model, rows, one = lm.model, [], {}
+    cache = make_cache(model, 1, len(prompts[0]) + max(cfg.tokens))
+    prefill(model, cache, prompts[:1])
+    for T in [1] + [t for t in cfg.tokens if t != 1]:  # T = 1 first: the unit
+        for impl in cfg.impls:
+            model.set_matmul(impl)
+            ms = forward_ms(model, cache, T, cfg.repeats)
+            one.setdefault(impl, ms)
+            rows.append({"matmul": impl, "tokens": T, "context": len(prompts[0]), "ms": ms,
+                         "cost_vs_1_token": ms / one[impl]})
+            print_table(rows[-1:])
+    model.set_matmul(cfg.model.get("matmul", "auto"))
+    return rows
+
+
 def lossless(cfg, lm, prompts) -> list[dict]:
     """Greedy speculative vs plain greedy, token for token, on every cache backend
     (target and draft caches of that backend) and drafter: the share of identical prompts."""
@@ -112,6 +153,9 @@ def lossless(cfg, lm, prompts) -> list[dict]:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="spec_bench")
 def main(cfg: DictConfig) -> None:
+    parts = {"speed": speed, "lossless": lossless, "verify_cost": verify_cost}
+    if cfg.part not in parts:
+        raise SetupError(f"part must be one of {list(parts)}, got {cfg.part!r}")  # before the model loads
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     lm = instantiate_unwrapped(cfg.model)
@@ -119,7 +163,7 @@ def main(cfg: DictConfig) -> None:
     reqs = sharegpt(cfg.prompts, seed=cfg.seed, tokenizer=tok, max_prompt_tokens=cfg.max_prompt_tokens)
     prompts = [tok.encode(r.prompt, chat=True) for r in reqs]
     run(lm.model, greedy(), prompts[0][:16], 4)  # warm-up
-    rows = {"speed": speed, "lossless": lossless}[cfg.part](cfg, lm, prompts)
+    rows = parts[cfg.part](cfg, lm, prompts)
     print(f"model={lm.name} prompts={len(prompts)} new_tokens={cfg.new_tokens} (ShareGPT, chat template)")
     write_results(f"spec_bench-{cfg.part}", cfg, rows, lm.model)
 

@@ -35,3 +35,19 @@ def test_speed_rows_carry_both_predictions(tmp_path):
         assert r["identical_prompts"] == "2/2" and 0 <= r["alpha"] <= 1
         assert r["efficiency"] == pytest.approx(r["measured_speedup"] / r["predicted_this_hw"])
         assert r["efficiency_vs_leviathan"] == pytest.approx(r["measured_speedup"] / r["predicted_leviathan"])
+
+
+def test_verify_cost_rows_per_impl_and_token_count(tmp_path):
+    rows = spec_bench(tmp_path, "part=verify_cost", "tokens=[3,1,5]", "repeats=2")
+    assert [(r["matmul"], r["tokens"]) for r in rows] == [
+        (i, t) for t in (1, 3, 5) for i in ("reference", "onednn")]  # T = 1 first: the unit
+    one = {r["matmul"]: r["ms"] for r in rows if r["tokens"] == 1}
+    for r in rows:
+        assert r["ms"] > 0 and r["context"] > 0
+        assert r["cost_vs_1_token"] == pytest.approx(r["ms"] / one[r["matmul"]])
+
+
+def test_unknown_part_is_refused_before_the_model_loads():
+    p = subprocess.run([sys.executable, "-m", "experiments.spec_bench", "part=sped"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "part must be one of ['speed', 'lossless', 'verify_cost'], got 'sped'" in p.stderr
