@@ -61,11 +61,13 @@ def cpu_name() -> str:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines()  # noqa: E731
-                              if ln.startswith(key)), "")
-    flags = field("flags").split()
+    flags = _cpuinfo_field(info, "flags").split()
     isa = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "")
-    return " ".join(x for x in (field("model name") or platform.machine(), isa) if x)
+    return " ".join(x for x in (_cpuinfo_field(info, "model name") or platform.machine(), isa) if x)
+
+
+def _cpuinfo_field(info: str, key: str) -> str:
+    return next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")
 
 
 def _fmt(v) -> str:

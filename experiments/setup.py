@@ -38,14 +38,32 @@ def is_speculative(decoder) -> bool:
     return isinstance(decoder, functools.partial)  # speculative decoders wait for their drafter
 
 
+def model_problems(spec, key: str = "model") -> list[str]:
+    """The non-architecture options of a conf/model spec (weights, matmul)."""
+    from models.loading import model_option_problems
+
+    return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
+                                 spec.get("device"), key)
+
+
+def draft_problems(cfg: DictConfig) -> list[str]:
+    """A draft model's options; a quantized self-draft of a target that is quantized already."""
+    draft = cfg.get("draft") or {}
+    p = model_problems(draft.model, "draft.model") if draft.get("model") is not None else []
+    if str(draft.get("_target_", "")).endswith("quantized_self") and cfg.model.get("weights", "none") != "none":
+        p.append(f"draft={draft.get('weights')}-self quantizes the target, but the target is quantized already "
+                 f"(model.weights={cfg.model.weights}); use model.weights=none, or another draft (early-exit, "
+                 "prompt-lookup)")
+    return p
+
+
 def check(cfg: DictConfig) -> None:
     """Every problem of the decoder and cache configs, before weights load."""
-    from models.loading import option_problems
-
-    reasons: list[str] = option_problems(cfg.model.get("weights", "none"), cfg.model.get("matmul", "auto"))
+    reasons = model_problems(cfg.model)
     decoder = _collect(reasons, lambda: instantiate_unwrapped(cfg.decoder))
     if is_speculative(decoder):
         decoder = _collect(reasons, lambda: decoder(drafter=None))
+        reasons += draft_problems(cfg)
     factory = _collect(reasons, lambda: instantiate_unwrapped(cfg.cache))
     probe = _collect(reasons, lambda: factory(_probe_layout(), 1, 128)) if factory else None
     lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0

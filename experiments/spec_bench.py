@@ -97,13 +97,16 @@ def speed(cfg, lm, prompts) -> list[dict]:
 def forward_ms(model, cache, T: int, repeats: int) -> float:
     """Median ms of one forward of T tokens after what `cache` holds (rolled back after each)."""
     L = cache.lengths.clone()
-    ids = torch.full((1, T), 5, dtype=torch.long)
-    positions = L[:, None] + torch.arange(T)[None]
+    ids = torch.full((1, T), 5, dtype=torch.long, device=model.device)
+    positions = (L[:, None] + torch.arange(T)[None]).to(model.device)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     times = []
     with torch.no_grad():
         for i in range(repeats + 1):  # the first is a warm-up (it may pack weights)
+            sync()
             t0 = time.perf_counter()
             model(ids, positions, cache)
+            sync()
             times.append(time.perf_counter() - t0)
             cache.truncate(L)
     return 1e3 * statistics.median(times[1:])
@@ -154,8 +157,13 @@ def lossless(cfg, lm, prompts) -> list[dict]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="spec_bench")
 def main(cfg: DictConfig) -> None:
     parts = {"speed": speed, "lossless": lossless, "verify_cost": verify_cost}
-    if cfg.part not in parts:
-        raise SetupError(f"part must be one of {list(parts)}, got {cfg.part!r}")  # before the model loads
+    from models.matmul import impl_problems
+
+    reasons = [] if cfg.part in parts else [f"part must be one of {list(parts)}, got {cfg.part!r}"]
+    if cfg.part == "verify_cost":
+        reasons += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
+    if reasons:
+        raise SetupError(reasons)  # before the model loads
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     lm = instantiate_unwrapped(cfg.model)

@@ -97,7 +97,7 @@ def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float3
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
     if max_seq_len:
         cfg = cfg.with_(max_seq_len=max_seq_len)
-    raise_if(option_problems(weights, matmul))
+    raise_if(model_option_problems(weights, matmul, dtype, device))
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -116,15 +116,21 @@ def _with_rope_defaults(d: dict) -> dict:
     return d
 
 
-def option_problems(weights: str = "none", matmul: str = "auto") -> list[str]:
-    """Every problem of the model options that are not architecture (checked before
-    any weights load): `weights` none | int8 | int4 (optimum-quanto weight-only
-    quantization of the projections) and `matmul` (models.matmul.IMPLS)."""
+def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=None, device=None,
+                          key: str = "model") -> list[str]:
+    """Every problem of the model options that are not architecture, checked before any
+    weights load: `weights` none | int8 | int4 (optimum-quanto weight-only quantization
+    of the projections) and `matmul` (models.matmul.IMPLS) for a model of `dtype` on
+    `device`; `key` names the options in the messages (`model`, `draft.model`)."""
     from models.matmul import impl_problems
     from models.quantize import WEIGHT_TYPES
 
-    p = [] if weights in WEIGHT_TYPES else [f"weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
-    return p + impl_problems(matmul)
+    p = [] if weights in WEIGHT_TYPES else [f"{key}.weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
+    try:
+        dt, dev = resolve_dtype(dtype or "float32"), resolve_device(device)
+    except SetupError:
+        dt = dev = None  # the loader reports a bad dtype or device itself
+    return p + impl_problems(matmul, dt, dev, key=f"{key}.matmul")
 
 
 def _ready(model: Transformer, weights: str = "none", matmul: str = "auto") -> Transformer:
@@ -152,7 +158,7 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
     if not files:
         problems.append(f"{path} has no *.safetensors weight file; point the model at a transformers model "
                         "directory")
-    raise_if(problems + option_problems(weights, matmul))
+    raise_if(problems + model_option_problems(weights, matmul, dtype, device))
     cfg = from_hf_config(AutoConfig.from_pretrained(path))
     state = {}
     for f in files:
@@ -236,7 +242,7 @@ def _save_hf(hf, out: Path) -> None:
 
 def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
               name: str | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
-    raise_if(option_problems(weights, matmul))  # before the conversion
+    raise_if(model_option_problems(weights, matmul, dtype, device))  # before the conversion
     return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul)
 
 
@@ -259,7 +265,7 @@ def package_file(package: str, file: str | None = None) -> Path:
 def load_package_gguf(package: str, file: str | None = None, dtype: str = "float32",
                       device: str | None = "auto", name: str | None = None, weights: str = "none",
                       matmul: str = "auto") -> LoadedModel:
-    raise_if(option_problems(weights, matmul))  # before the package's file is assembled
+    raise_if(model_option_problems(weights, matmul, dtype, device))  # before the file is assembled
     return load_gguf(package_file(package, file), dtype, device, name, weights, matmul)
 
 

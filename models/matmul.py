@@ -2,9 +2,12 @@
 
 `matmul` is a model option (conf/model/*.yaml, `load(..., matmul=...)`):
 - `reference`: always `x @ W`, torch's own kernel (MKL on an x86 CPU);
-- `onednn`: forwards of 2 or more rows use oneDNN's linear over a packed copy of the
-  weight (fp32, CPU, no autograd); one-row forwards stay on `x @ W`;
-- `auto`: `onednn` where it can run (a CPU torch built with oneDNN), else `reference`.
+- `onednn`: products of 2 or more rows (a verify over gamma + 1 tokens, a prefill, a
+  decode step of a batch) use oneDNN's linear over a packed copy of the weight (fp32
+  models on a CPU; autograd and torch.compile take the reference); one-row products
+  stay on `x @ W`;
+- `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
+  else `reference`.
 
 Why: a decode step feeds one row per sequence, a speculative verify feeds gamma + 1.
 Decoding is memory-bound, so gamma + 1 rows should cost about what one row costs: the
@@ -14,12 +17,15 @@ AVX-512) does not get there: SmolLM2-135M's 3-row forward costs 1.8x a 1-row one
 (experiments/README.md, "CPU verify cost"). One-row products stay with MKL, whose gemv
 is faster there (the LM head: 4.6 ms against 7.0 ms).
 
-Cost: the packed copy holds the projection weights a second time (made on first use,
-rebuilt when the weight changes). Results differ from `x @ W` by float summation order
-(relative 1e-6 in fp32), as MKL's own kernels for different row counts already do.
+Cost: the packed copies hold the projection weights a second time, and a tied head's
+embedding too (made on first use, rebuilt when the weight changes). Results differ from
+`x @ W` by float summation order, as MKL's own kernels for different row counts already
+do (tests/models/test_matmul.py: logits within 1e-4 on every tiny model family).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -31,52 +37,72 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def impl_problems(impl: str) -> list[str]:
-    """Every reason `impl` cannot run here (empty when it can)."""
+def _serves(dtype: torch.dtype | None, device: torch.device | str | None) -> bool:
+    """oneDNN's path serves fp32 models on a CPU (None: not known yet)."""
+    return dtype in (None, torch.float32) and (device is None or torch.device(device).type == "cpu")
+
+
+def impl_problems(impl: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                  key: str = "matmul") -> list[str]:
+    """Every reason `impl` cannot run for a model of `dtype` on `device` (empty when it can)."""
     if impl not in IMPLS:
-        return [f"matmul must be one of {list(IMPLS)}, got {impl!r}"]
-    if impl == "onednn" and not onednn_available():
-        return ["matmul=onednn needs a torch built with oneDNN (torch.backends.mkldnn); use matmul=auto "
-                "or matmul=reference"]
+        return [f"{key} must be one of {list(IMPLS)}, got {impl!r}"]
+    if impl != "onednn":
+        return []
+    if not onednn_available():
+        return [f"{key}=onednn needs a torch built with oneDNN (torch.backends.mkldnn); use {key}=auto "
+                f"or {key}=reference"]
+    if not _serves(dtype, device):
+        return [f"{key}=onednn serves float32 models on a CPU, not {dtype} on {device}; use {key}=auto "
+                f"(it picks the reference there) or dtype=float32 on the CPU"]
     return []
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> str:
     """'onednn' or 'reference' for an option that `impl_problems` accepts."""
     if impl == "auto":
-        return "onednn" if onednn_available() else "reference"
+        return "onednn" if onednn_available() and _serves(dtype, device) else "reference"
     return impl
 
 
+def _version(w: torch.Tensor) -> int:
+    return -1 if w.is_inference() else w._version  # inference tensors keep no version counter
+
+
 class PackedWeight:
-    """oneDNN's packed copy of one [in, out] weight, rebuilt whenever the weight's
-    storage, version, dtype or device changes."""
+    """oneDNN's packed copy of one weight, rebuilt when the weight object, its storage,
+    version, dtype or device changes. In-place edits of the parameter (under no_grad)
+    are seen; edits through `.data` or of an inference tensor are not: call
+    `Transformer.set_matmul(model.matmul)` after those to drop every copy."""
 
     def __init__(self):
         self.key: tuple | None = None
+        self.source: weakref.ref | None = None
         self.packed: torch.Tensor | None = None
 
-    def get(self, w: torch.Tensor) -> torch.Tensor:
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if key != self.key:
-            w_oi = w.detach().t().contiguous()  # [out, in], as oneDNN takes it
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w_oi, _PACK_ROWS)
-            self.key = key
+    def get(self, w: torch.Tensor, out_in: bool = False) -> torch.Tensor:
+        """The packed copy of `w` ([in, out], or [out, in] with `out_in`)."""
+        key = (w.data_ptr(), _version(w), w.dtype, w.device, out_in)
+        if key != self.key or self.source is None or self.source() is not w:
+            w_oi = w.detach() if out_in else w.detach().t()  # [out, in], as oneDNN takes it
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w_oi.contiguous(), _PACK_ROWS)
+            self.key, self.source = key, weakref.ref(w)
         return self.packed
 
     def clear(self) -> None:
-        self.key = self.packed = None
+        self.key = self.source = self.packed = None
 
     def __deepcopy__(self, memo) -> "PackedWeight":
         return PackedWeight()  # derived data (and oneDNN's opaque tensors cannot be copied)
 
     def __getstate__(self) -> dict:
-        return {"key": None, "packed": None}
+        return {"key": None, "source": None, "packed": None}
 
 
-def _takes_onednn(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return rows >= 2 and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
+def _takes_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> bool:
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    return (rows >= 2 and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
+            and not torch.compiler.is_compiling())  # packing cannot run on fake tensors
 
 
 def project(
@@ -85,14 +111,16 @@ def project(
     b: torch.Tensor | None,  # [out]
     impl: str,  # resolved: 'onednn' or 'reference'
     packed: PackedWeight,
+    w_out_in: torch.Tensor | None = None,  # [out, in]: the same weight, packed without a transpose
 ) -> torch.Tensor:
     """y [..., out] = x @ W (+ b)."""
     rows = x.numel() // x.shape[-1]
-    if impl != "onednn" or not _takes_onednn(x, w, rows):
+    if impl != "onednn" or not _takes_onednn(x, w, b, rows):
         y = x @ w
         return y if b is None else y + b
     x2 = x.reshape(rows, x.shape[-1])
     if rows == 2:  # oneDNN's 2-row kernel streams the weights ~35% slower than its 3-row one
         x2 = torch.cat([x2, x2[:1]])
-    y = torch.ops.mkldnn._linear_pointwise(x2, packed.get(w), b, "none", [], "")
+    weight = packed.get(w) if w_out_in is None else packed.get(w_out_in, out_in=True)
+    y = torch.ops.mkldnn._linear_pointwise(x2, weight, b, "none", [], "")
     return y[:rows].reshape(*x.shape[:-1], y.shape[-1])

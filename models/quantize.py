@@ -41,6 +41,9 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True):
         raise SetupError(f"weights {weights!r} unknown; use one of {WEIGHT_TYPES}")
     if weights == "none":
         return model
+    if not any(isinstance(m, Proj) for m in model.modules()):
+        raise SetupError("this model's projections are quantized already; quantize an unquantized model "
+                         "(model.weights=none), or use another draft than a quantized self-draft")
     from optimum.quanto import freeze, qint4, qint8, quantize
 
     q = deepcopy(model) if copy else model

@@ -183,8 +183,8 @@ class Transformer(nn.Module):
 
     def set_matmul(self, impl: str) -> "Transformer":
         """Every projection (and the tied head) computes with `impl` (models.matmul.IMPLS)."""
-        raise_if(impl_problems(impl))
-        self.matmul = resolve_impl(impl)
+        raise_if(impl_problems(impl, self.dtype, self.device))
+        self.matmul = resolve_impl(impl, self.dtype, self.device)
         for m in self.modules():
             if isinstance(m, Proj):
                 m.matmul = self.matmul
@@ -196,7 +196,7 @@ class Transformer(nn.Module):
         """[D, V] contiguous copy of the tied embedding, for the CPU's faster layout
         (rebuilt whenever the embedding's storage, dtype or device changes)."""
         w = self.embed.weight
-        key = (w.data_ptr(), w.dtype, w.device, w._version)
+        key = (w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version)
         if self._head_t is None or self._head_t[0] != key:
             self._head_t = (key, w.detach().t().contiguous())
         return self._head_t[1]
@@ -206,7 +206,7 @@ class Transformer(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(x)
         elif x.device.type == "cpu":
-            logits = project(x, self.tied_head_t(), None, self.matmul, self._head_packed)
+            logits = project(x, self.tied_head_t(), None, self.matmul, self._head_packed, self.embed.weight)
         else:
             logits = F.linear(x, self.embed.weight)
         if self.cfg.final_softcap:

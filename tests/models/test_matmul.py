@@ -50,12 +50,38 @@ def test_packed_copy_follows_the_weight():
     assert packed.packed is not first
 
 
+@needs_onednn
+def test_batches_and_strided_inputs():
+    w, b = torch.randn(40, 24), torch.randn(24)
+    x = torch.randn(3, 5, 40)  # [B, T, in]: 15 rows
+    xt = torch.randn(40, 2, 5).permute(1, 2, 0)  # [2, 5, 40], not contiguous
+    with torch.no_grad():
+        for inp in (x, xt, x[:, -1:]):
+            torch.testing.assert_close(project(inp, w, b, "onednn", PackedWeight()), inp @ w + b, rtol=1e-5,
+                                       atol=1e-4)
+
+
+@needs_onednn
+def test_models_built_under_inference_mode_run():
+    with torch.inference_mode():  # inference tensors keep no version counter
+        for name in ("llama", "llama3-rope-untied"):
+            m = random_model(TINY[name], device="cpu", matmul="onednn").model
+            out = m(torch.tensor([random_ids(6)]), torch.arange(6)[None], cache_for(m, 1, 6))
+            assert out.shape == (1, 6, 256) and m.layers[0].attn.wqkv.packed.packed is not None
+
+
 def test_fallbacks_to_reference():
     w = torch.randn(16, 8, requires_grad=True)
     x = torch.randn(3, 16)
     packed = PackedWeight()
     y = project(x, w, None, "onednn", packed)  # autograd needs the reference
     assert y.grad_fn is not None and packed.packed is None
+    b = torch.zeros(8, requires_grad=True)
+    project(x, w.detach(), b, "onednn", packed).sum().backward()  # a bias that wants a gradient too
+    assert torch.equal(b.grad, torch.full((8,), 3.0)) and packed.packed is None
+    compiled = torch.compile(lambda a: project(a, w.detach(), None, "onednn", packed), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), x @ w.detach())  # torch.compile traces the reference
     with torch.no_grad():
         project(x[:1], w, None, "onednn", packed)  # one row: MKL's gemv
         project(x.double(), w.double(), None, "onednn", packed)  # fp32 only
@@ -81,10 +107,34 @@ def test_bad_options_are_refused_before_loading(monkeypatch):
     assert impl_problems("mkl") == ["matmul must be one of ['auto', 'reference', 'onednn'], got 'mkl'"]
     with pytest.raises(SetupError) as e:
         load("smollm2-135m", matmul="mkl", weights="int3")  # fails before the GGUF is touched
-    assert len(e.value.reasons) == 2 and "weights must be one of" in str(e.value)
+    assert e.value.reasons == ["model.weights must be one of ['none', 'int8', 'int4'], got 'int3'",
+                               "model.matmul must be one of ['auto', 'reference', 'onednn'], got 'mkl'"]
+    with pytest.raises(SetupError, match="serves float32 models on a CPU.*use model.matmul=auto"):
+        random_model(TINY["llama"], device="cpu", dtype="bfloat16", matmul="onednn")
+    assert random_model(TINY["llama"], device="cpu", dtype="bfloat16").model.matmul == "reference"  # auto
     monkeypatch.setattr(matmul, "onednn_available", lambda: False)
     assert "needs a torch built with oneDNN" in impl_problems("onednn")[0]
     assert random_model(TINY["llama"], device="cpu", matmul="auto").model.matmul == "reference"
+
+
+def test_setup_check_covers_target_and_draft_model_options():
+    from hydra import compose, initialize_config_dir
+
+    from experiments import setup
+    from models.loading import CONF_DIR
+
+    def reasons(*overrides):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+        with pytest.raises(SetupError) as e:
+            setup.check(cfg)
+        return e.value.reasons
+
+    r = reasons("model.matmul=mkl", "decoder=speculative", "draft=model", "draft.model.weights=int3")
+    assert any(x.startswith("model.matmul must be one of") for x in r)
+    assert any(x.startswith("draft.model.weights must be one of") for x in r)
+    r = reasons("model=tiny-llama", "model.weights=int8", "decoder=speculative", "draft=int4-self")
+    assert any("the target is quantized already (model.weights=int8)" in x for x in r)
 
 
 def test_weights_option_quantizes_the_target():
@@ -98,3 +148,7 @@ def test_weights_option_quantizes_the_target():
     assert not torch.equal(out, full)  # quantized for real
     assert (out - full).abs().max() < 0.05 * full.abs().max()
     assert (out.argmax(-1) == full.argmax(-1)).float().mean() > 0.9
+    from decoding.drafters import quantized_self
+
+    with pytest.raises(SetupError, match="quantized already"):  # a self-draft of it would be itself
+        quantized_self(random_model(TINY["llama"], device="cpu", weights="int8"), "int4")
