@@ -2,10 +2,10 @@
 
 `matmul` is a model option (conf/model/*.yaml, `load(..., matmul=...)`):
 - `reference`: always `x @ W`, torch's own kernel (MKL on an x86 CPU);
-- `onednn`: products of 2 or more rows (a verify over gamma + 1 tokens, a prefill, a
-  decode step of a batch) use oneDNN's linear over a packed copy of the weight (fp32
-  models on a CPU; autograd and torch.compile take the reference); one-row products
-  stay on `x @ W`;
+- `onednn`: products of 2 to `MAX_ROWS` (64) rows (a verify over gamma + 1 tokens, a
+  decode step of a batch, a short prompt) use oneDNN's linear over a packed copy of the
+  weight (fp32 models on a CPU; autograd and torch.compile take the reference);
+  one-row products and longer prefills stay on `x @ W`;
 - `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
   else `reference`.
 
@@ -31,6 +31,10 @@ import torch
 
 IMPLS = ("auto", "reference", "onednn")
 _PACK_ROWS = 16  # the row count oneDNN tunes the packed layout for (any count runs)
+#: the most rows a product sends to oneDNN: decode-shaped products (verify calls, batched
+#: decode steps, short prompts); longer prefills stay on `x @ W`, bit-identical with
+#: transformers' own forward (tests/models/test_agreement.py holds them to that)
+MAX_ROWS = 64
 
 
 def onednn_available() -> bool:
@@ -101,7 +105,7 @@ class PackedWeight:
 
 def _takes_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-    return (rows >= 2 and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
+    return (2 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
             and not torch.compiler.is_compiling())  # packing cannot run on fake tensors
 
 

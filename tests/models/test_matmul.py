@@ -23,7 +23,7 @@ def forward(model, ids):
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17, 64, 65])
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_matches_reference(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -86,6 +86,7 @@ def test_fallbacks_to_reference():
         project(x[:1], w, None, "onednn", packed)  # one row: MKL's gemv
         project(x.double(), w.double(), None, "onednn", packed)  # fp32 only
         project(x, w, None, "reference", packed)
+        project(torch.randn(matmul.MAX_ROWS + 1, 16), w, None, "onednn", packed)  # a prefill: MKL
     assert packed.packed is None
 
 
