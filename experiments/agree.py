@@ -42,7 +42,7 @@ from decoding.generate import generate
 from decoding.prefill import prefill
 from decoding.text import make_cache
 from experiments import setup
-from experiments.common import run_conditions
+from experiments.common import git_rev, run_conditions
 from models.errors import SetupError, raise_if
 from models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -441,6 +441,7 @@ def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    git_rev()  # the code this run starts with
     hc = HydraConfig.get()
     code = run(cfg, list(hc.overrides.task), hc.runtime.output_dir)
     if code:

@@ -46,7 +46,7 @@ from decoding.speculative import SpeculativeDecoder, predicted_speedups
 from decoding.text import make_cache
 from experiments import setup
 from experiments.cli import precheck
-from experiments.common import run_conditions
+from experiments.common import git_rev, run_conditions
 from models.errors import SetupError, raise_if
 from models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -244,6 +244,7 @@ def run(cfg: DictConfig, out: Path) -> dict:
         log.info("already done (run %s, finished %s): %s; redo=true reruns it", run_hash, done["finished"],
                  out / RESULTS)
         return done
+    git_rev()  # the code this run starts with
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     lm = instantiate_unwrapped(cfg.model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import subprocess
@@ -29,13 +30,20 @@ def synthetic_prompt(lm, n_tokens: int, seed: int = 0) -> list[int]:
     return ids[:n_tokens]
 
 
-def _git_rev() -> str:
+@functools.cache
+def git_rev() -> str:
+    """The revision this process runs: HEAD at the first call (entry points call it as
+    they start), `-dirty` when tracked files differed from it then."""
     try:
-        root = Path(__file__).resolve().parents[1]
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or "unknown"
+        rev = _git("rev-parse", "--short", "HEAD") or "unknown"
+        return rev + ("-dirty" if rev != "unknown" and _git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:
         return "unknown"
+
+
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5).stdout.strip()
 
 
 def run_conditions(model=None) -> dict:
@@ -46,7 +54,7 @@ def run_conditions(model=None) -> dict:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    cond = {"git": _git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
+    cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             **versions}
     if model is not None:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.agreement import compare, dense_logits, forced_logits
 from decoding.prefill import prefill
 from decoding.text import make_cache
-from experiments.common import print_table, synthetic_prompt, write_results
+from experiments.common import git_rev, print_table, synthetic_prompt, write_results
 from models.loading import CONF_DIR, instantiate_unwrapped
 
 
@@ -194,6 +194,7 @@ def _fill(cache, n: int, chunk: int = 512) -> None:
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="kv_bench")
 def main(cfg: DictConfig) -> None:
+    git_rev()  # the code this run starts with
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     lm = instantiate_unwrapped(cfg.model)

@@ -37,7 +37,7 @@ from decoding.decoders import greedy
 from decoding.generate import generate
 from decoding.speculative import SpeculativeDecoder, predicted_speedups
 from decoding.text import make_cache
-from experiments.common import print_table, write_results
+from experiments.common import git_rev, print_table, write_results
 from experiments.workloads import sharegpt
 from models.errors import SetupError
 from models.loading import CONF_DIR, instantiate_unwrapped
@@ -164,6 +164,7 @@ def main(cfg: DictConfig) -> None:
         reasons += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
     if reasons:
         raise SetupError(reasons)  # before the model loads
+    git_rev()  # the code this run starts with
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     lm = instantiate_unwrapped(cfg.model)
