@@ -41,6 +41,7 @@ from experiments.common import git_rev, print_table, write_results
 from experiments.workloads import sharegpt
 from models.errors import SetupError
 from models.loading import CONF_DIR, instantiate_unwrapped
+from models.matmul import impl_problems
 
 
 def decode_seconds(r) -> float:
@@ -157,8 +158,6 @@ def lossless(cfg, lm, prompts) -> list[dict]:
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="spec_bench")
 def main(cfg: DictConfig) -> None:
     parts = {"speed": speed, "lossless": lossless, "verify_cost": verify_cost}
-    from models.matmul import impl_problems
-
     reasons = [] if cfg.part in parts else [f"part must be one of {list(parts)}, got {cfg.part!r}"]
     if cfg.part == "verify_cost":
         reasons += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]

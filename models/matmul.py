@@ -69,8 +69,9 @@ def resolve_impl(impl: str, dtype: torch.dtype | None = None, device: torch.devi
     return impl
 
 
-def _version(w: torch.Tensor) -> int:
-    return -1 if w.is_inference() else w._version  # inference tensors keep no version counter
+def version_of(w: torch.Tensor) -> int:
+    """`w._version`, or -1 for an inference tensor (it keeps no version counter)."""
+    return -1 if w.is_inference() else w._version
 
 
 class PackedWeight:
@@ -86,7 +87,7 @@ class PackedWeight:
 
     def get(self, w: torch.Tensor, out_in: bool = False) -> torch.Tensor:
         """The packed copy of `w` ([in, out], or [out, in] with `out_in`)."""
-        key = (w.data_ptr(), _version(w), w.dtype, w.device, out_in)
+        key = (w.data_ptr(), version_of(w), w.dtype, w.device, out_in)
         if key != self.key or self.source is None or self.source() is not w:
             w_oi = w.detach() if out_in else w.detach().t()  # [out, in], as oneDNN takes it
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w_oi.contiguous(), _PACK_ROWS)

@@ -54,5 +54,4 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True):
     quantize(q, weights={"int8": qint8, "int4": qint4}[weights])
     freeze(q)
     q._head_t = None
-    q.set_matmul(q.matmul)  # drop packed copies the quantized projections no longer use
     return q.eval()

@@ -13,7 +13,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.errors import raise_if
-from models.matmul import PackedWeight, impl_problems, project, resolve_impl
+from models.matmul import PackedWeight, impl_problems, project, resolve_impl, version_of
 
 
 class RMSNorm(nn.Module):
@@ -196,7 +196,7 @@ class Transformer(nn.Module):
         """[D, V] contiguous copy of the tied embedding, for the CPU's faster layout
         (rebuilt whenever the embedding's storage, dtype or device changes)."""
         w = self.embed.weight
-        key = (w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version)
+        key = (w.data_ptr(), w.dtype, w.device, version_of(w))
         if self._head_t is None or self._head_t[0] != key:
             self._head_t = (key, w.detach().t().contiguous())
         return self._head_t[1]
