@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.errors import SetupError
+from decodelab.models.errors import SetupError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from decodelab.cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
 
 
 class DenseCache(KVCache):

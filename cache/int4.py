@@ -74,10 +74,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.base import CacheLayout, KVCache, is_plain_causal, reference_attention
-from cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
-from cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
-from models.errors import SetupError, raise_if
+from decodelab.cache.base import CacheLayout, KVCache, is_plain_causal, reference_attention
+from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
+from decodelab.cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
+from decodelab.models.errors import SetupError, raise_if
 
 QTYPES = {4: "qint4", 2: "qint2"}  # nbits -> optimum-quanto qtype (imported on first use: 2.5 s)
 GROUP_SIZES = (32, 64, 128)

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
-from cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
-from cache.kernels.paged import paged_attention_triton
-from models.errors import SetupError, raise_if
+from decodelab.cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
+from decodelab.cache.kernels.paged import paged_attention_triton
+from decodelab.models.errors import SetupError, raise_if
 
 
 class BlockAllocator:

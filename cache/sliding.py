@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
-from cache.dense import DenseCache
-from models.errors import SetupError, raise_if
+from decodelab.cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from decodelab.cache.dense import DenseCache
+from decodelab.models.errors import SetupError, raise_if
 
 
 # -- sizing (shared by the cache and the memory report) ---------------------------------

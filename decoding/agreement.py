@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from decoding.prefill import prefill
-from decoding.text import make_cache
+from decodelab.decoding.prefill import prefill
+from decodelab.decoding.text import make_cache
 
 
 @torch.no_grad()
@@ -29,7 +29,7 @@ def forced_logits(model, factory, prompt: list[int], ref: list[int]) -> torch.Te
 @torch.no_grad()
 def dense_logits(model, prompt: list[int], ref: list[int]) -> torch.Tensor:
     """The dense reference in one pass: logits [N, V] at positions len(prompt)-1 ... ."""
-    from cache.dense import DenseCache
+    from decodelab.cache.dense import DenseCache
 
     ids = prompt + ref[:-1]
     cache = make_cache(model, 1, len(ids), DenseCache)

@@ -23,11 +23,11 @@ import math
 
 import torch
 
-from cache.dense import DenseCache
-from cache.kernels.dispatch import resolve_impl, split_count
-from cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
-from cache.paged import PagedCache
-from models.errors import SetupError
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.kernels.dispatch import resolve_impl, split_count
+from decodelab.cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
+from decodelab.cache.paged import PagedCache
+from decodelab.models.errors import SetupError
 
 MODES = ("eager", "graph", "compile")
 

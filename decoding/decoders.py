@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from decoding.sampling import SamplingParams, choose
-from models.errors import raise_if
+from decodelab.decoding.sampling import SamplingParams, choose
+from decodelab.models.errors import raise_if
 
 
 class SamplingDecoder:

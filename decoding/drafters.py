@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from cache.dense import DenseCache
-from decoding.prefill import prefill
-from decoding.sampling import SamplingParams, logits_to_probs, sample
-from decoding.text import make_cache
+from decodelab.cache.dense import DenseCache
+from decodelab.decoding.prefill import prefill
+from decodelab.decoding.sampling import SamplingParams, logits_to_probs, sample
+from decodelab.decoding.text import make_cache
 
 
 class EarlyExit(torch.nn.Module):
@@ -164,7 +164,7 @@ class PromptLookupDrafter:
 # -- builders used by conf/draft/*.yaml (`target` is the target's LoadedModel) ----------
 def early_exit(target, layers: int, cache=DenseCache) -> ModelDrafter:
     """Truncated self-draft: the target's first `layers` layers + final norm + head."""
-    from models.errors import SetupError
+    from decodelab.models.errors import SetupError
 
     n = target.model.cfg.n_layers
     if not isinstance(layers, int) or not 1 <= layers < n:
@@ -174,7 +174,7 @@ def early_exit(target, layers: int, cache=DenseCache) -> ModelDrafter:
 
 def quantized_self(target, weights: str = "int8", cache=DenseCache) -> ModelDrafter:
     """The target with optimum-quanto weight-only int8/int4 weights as its own draft."""
-    from models.quantize import quantize_weights
+    from decodelab.models.quantize import quantize_weights
 
     return ModelDrafter(quantize_weights(target.model, weights), cache, name=f"self-{weights}")
 
@@ -186,7 +186,7 @@ def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=Non
 def draft_model(target, model, cache=DenseCache) -> ModelDrafter:
     """Another checkpoint as the draft (a LoadedModel, or a conf/model spec to load; Hydra
     hands over the loaded model); its tokenizer must be the target's."""
-    from models.loading import LoadedModel, instantiate_unwrapped
+    from decodelab.models.loading import LoadedModel, instantiate_unwrapped
 
     lm = model if isinstance(model, LoadedModel) else instantiate_unwrapped(model)
     tok = lambda m: m.tokenizer if (m.tokenizer_dir or m.tokenizer_from) else None  # noqa: E731

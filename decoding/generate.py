@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from decoding.prefill import prefill
-from models.errors import SetupError, raise_if
+from decodelab.decoding.prefill import prefill
+from decodelab.models.errors import SetupError, raise_if
 
 # on_token(row, token_id, text_delta): text_delta is "" without a tokenizer
 TokenCallback = Callable[[int, int, str], None]

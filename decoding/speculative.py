@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from decoding.sampling import SamplingParams, logits_to_probs
-from models.errors import raise_if
+from decodelab.decoding.sampling import SamplingParams, logits_to_probs
+from decodelab.models.errors import raise_if
 
 
 def rejection_sample(
@@ -180,7 +180,7 @@ class SpeculativeDecoder:
         self.drafter.begin(prompts, capacity)
 
     def start(self, logits: torch.Tensor) -> torch.Tensor:
-        from decoding.sampling import choose
+        from decodelab.decoding.sampling import choose
 
         return choose(logits, self.params, self.generator)
 

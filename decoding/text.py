@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from cache.base import CacheLayout, KVCache
-from cache.dense import DenseCache
-from decoding.decoders import SamplingDecoder
-from decoding.generate import GenerationResult, TokenCallback, generate
+from decodelab.cache.base import CacheLayout, KVCache
+from decodelab.cache.dense import DenseCache
+from decodelab.decoding.decoders import SamplingDecoder
+from decodelab.decoding.generate import GenerationResult, TokenCallback, generate
 
 CacheFactory = Callable[..., KVCache]  # (layout, batch_size, capacity) -> cache
 

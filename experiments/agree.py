@@ -1,6 +1,6 @@
 """The agreement matrix: every named setup (conf/setup/) against a reference, per prompt.
 
-    python -m experiments.agree [setups=[dense,paged,int4]] [reference=dense|transformers]
+    python -m decodelab.experiments.agree [setups=[dense,paged,int4]] [reference=dense|transformers]
         [model=smollm2-135m] [workload=jsonl workload.path=prompts.jsonl]
         [forced_tokens=64] [free_tokens=32] [agreement.max_kl=0.01] [draft.layers=4]
 
@@ -35,16 +35,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from cache.dense import DenseCache
-from decoding.agreement import compare, dense_logits, forced_logits, hf_logits
-from decoding.decoders import greedy
-from decoding.generate import generate
-from decoding.prefill import prefill
-from decoding.text import make_cache
-from experiments import setup
-from experiments.common import git_rev, run_conditions
-from models.errors import SetupError, raise_if
-from models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.cache.dense import DenseCache
+from decodelab.decoding.agreement import compare, dense_logits, forced_logits, hf_logits
+from decodelab.decoding.decoders import greedy
+from decodelab.decoding.generate import generate
+from decodelab.decoding.prefill import prefill
+from decodelab.decoding.text import make_cache
+from decodelab.experiments import setup
+from decodelab.experiments.common import git_rev, run_conditions
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.agree")
 
@@ -238,7 +238,7 @@ def free_run(model, factory, decoder, prompt: list[int], n: int) -> tuple[list[i
 def reference_fns(kind: str, lm):
     """(logits(prompt, seq) -> [N, V], greedy(prompt, n) -> ids) of the reference."""
     if kind == "transformers":
-        from experiments.baseline import hf_model_for
+        from decodelab.experiments.baseline import hf_model_for
 
         hf = hf_model_for(lm)
         return partial(hf_logits, hf), partial(hf_greedy, hf)
@@ -451,7 +451,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """Console entry: unknown group options and keys are reported with every other
     problem of every setup (exit 2, no traceback) before Hydra runs `main`."""
-    from experiments.cli import precheck, split_choices
+    from decodelab.experiments.cli import precheck, split_choices
 
     argv = sys.argv[1:]
     overrides = [a for a in split_choices(argv)[1] if not a.startswith(("-", "hydra"))]

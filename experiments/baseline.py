@@ -1,7 +1,7 @@
 """Baseline: our dense greedy decoder vs transformers' `generate()`, same model, prompts
 and dtype, in one process, alternating, medians over repeats.
 
-    python -m experiments.baseline [model=smollm2-135m] [prompt_lengths=[128,1024]]
+    python -m decodelab.experiments.baseline [model=smollm2-135m] [prompt_lengths=[128,1024]]
         [new_tokens=64] [repeats=5] [model.dtype=float32] [threads=null]
 
 Both sides generate exactly `new_tokens` tokens (EOS ignored) from the same token ids.
@@ -18,11 +18,11 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from decoding.decoders import greedy
-from decoding.generate import generate
-from decoding.text import make_cache
-from experiments.common import print_table, run_conditions, synthetic_prompt
-from models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.decoding.decoders import greedy
+from decodelab.decoding.generate import generate
+from decodelab.decoding.text import make_cache
+from decodelab.experiments.common import print_table, run_conditions, synthetic_prompt
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 
 class _TimingStreamer:
@@ -84,7 +84,7 @@ def hf_model_for(lm):
     when there is one, else built from the native weights)."""
     from transformers import AutoModelForCausalLM
 
-    from models.reference import hf_reference
+    from decodelab.models.reference import hf_reference
 
     if lm.hf_dir is None:
         return hf_reference(lm.model, attn_implementation="sdpa")

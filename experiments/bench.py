@@ -1,10 +1,10 @@
 """Benchmark one setup on a workload; write `results.jsonl` into the Hydra run directory.
 
-    python -m experiments.bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup]
+    python -m decodelab.experiments.bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup]
         [workload=sharegpt workload.n=8 | workload=synthetic workload.lengths=[128,1024]
          | workload=jsonl workload.path=prompts.jsonl] [max_new_tokens=64] [batch_size=1]
-    python -m experiments.bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
-    python -m experiments.bench -m experiment=compare          # README's main job
+    python -m decodelab.experiments.bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
+    python -m decodelab.experiments.bench -m experiment=compare          # README's main job
 
 Metrics, as serving engineers measure them: TTFT split into tokenize / prefill / first
 sampling, ITL p50/p95/p99 over every generated token, prompt and decode tokens/s, KV
@@ -39,16 +39,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.agreement import compare, dense_logits, forced_logits
-from decoding.decoders import greedy
-from decoding.generate import _pct, generate
-from decoding.speculative import SpeculativeDecoder, predicted_speedups
-from decoding.text import make_cache
-from experiments import setup
-from experiments.cli import precheck
-from experiments.common import git_rev, run_conditions
-from models.errors import SetupError, raise_if
-from models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.decoding.agreement import compare, dense_logits, forced_logits
+from decodelab.decoding.decoders import greedy
+from decodelab.decoding.generate import _pct, generate
+from decodelab.decoding.speculative import SpeculativeDecoder, predicted_speedups
+from decodelab.decoding.text import make_cache
+from decodelab.experiments import setup
+from decodelab.experiments.cli import precheck
+from decodelab.experiments.common import git_rev, run_conditions
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.bench")
 RESULTS = "results.jsonl"
@@ -279,7 +279,7 @@ class ReportCallback(Callback):
     """At the end of a multirun: the sweep's report (CSV, Markdown, plots) and its table."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from experiments.report import NoRunsError, load_runs, markdown_table, table_rows, write_report
+        from decodelab.experiments.report import NoRunsError, load_runs, markdown_table, table_rows, write_report
 
         root = Path(config.hydra.sweep.dir)
         try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from models.errors import SetupError
-from models.loading import CONF_DIR
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR
 
 
 def group_options(group: str) -> list[str]:

@@ -1,9 +1,9 @@
 """Generation CLI: stream a reply, then print TTFT, ITL, tokens/s and KV-cache bytes.
 
-    python -m experiments.generate prompt="Hello" [model=smollm2-135m] [cache=dense]
+    python -m decodelab.experiments.generate prompt="Hello" [model=smollm2-135m] [cache=dense]
         [decoder=greedy|sampling] [decoder.temperature=0.7] [max_new_tokens=64]
         [chat_template=true|false] [prompt_file=PATH] [stop='[".\\n"]']
-    echo "Hello" | python -m experiments.generate
+    echo "Hello" | python -m decodelab.experiments.generate
 
 Everything that can be checked before the weights load is checked first.
 """
@@ -18,13 +18,13 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from decoding.generate import generate
-from decoding.text import make_cache
-from experiments import setup
-from experiments.cli import precheck
-from experiments.common import run_conditions
-from models.errors import SetupError
-from models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.decoding.generate import generate
+from decodelab.decoding.text import make_cache
+from decodelab.experiments import setup
+from decodelab.experiments.cli import precheck
+from decodelab.experiments.common import run_conditions
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.generate")
 

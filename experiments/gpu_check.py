@@ -2,8 +2,8 @@
 every cache backend (reference vs Triton), attention alone, and the compiled step, in one
 JSON report. Under 8 minutes on one H200 (a time budget skips what does not fit).
 
-    python -m experiments.gpu_check                  # a CUDA GPU: the full check
-    python -m experiments.gpu_check smoke=true       # tiny shapes on the CPU (tests run this)
+    python -m decodelab.experiments.gpu_check                  # a CUDA GPU: the full check
+    python -m decodelab.experiments.gpu_check smoke=true       # tiny shapes on the CPU (tests run this)
     options: out=PATH (default $OUT/gpu_check.json, else outputs/gpu_check.json), budget_s=420
 
 Sections of the report:
@@ -33,17 +33,17 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from cache.base import CacheLayout, reference_attention
-from cache.dense import DenseCache
-from cache.int4 import QStore, QuantizedCache, quantize
-from cache.kernels.check import CASES, Case, int4_case, paged_case, run_cases
-from cache.kernels.dispatch import impl_problems
-from cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
-from cache.paged import PagedCache
-from cache.sliding import SlidingCache
-from decoding.compiled import StaticDecoder
-from decoding.text import make_cache
-from models.loading import CONF_DIR, instantiate_unwrapped, random_model
+from decodelab.cache.base import CacheLayout, reference_attention
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.int4 import QStore, QuantizedCache, quantize
+from decodelab.cache.kernels.check import CASES, Case, int4_case, paged_case, run_cases
+from decodelab.cache.kernels.dispatch import impl_problems
+from decodelab.cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
+from decodelab.cache.paged import PagedCache
+from decodelab.cache.sliding import SlidingCache
+from decodelab.decoding.compiled import StaticDecoder
+from decodelab.decoding.text import make_cache
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped, random_model
 
 SMOLLM2_SHAPE = dict(family="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                      intermediate_size=1536, max_seq_len=40960, norm_eps=1e-5, tie_embeddings=True,
@@ -425,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     smoke = args.get("smoke", "false").lower() in ("1", "true", "yes")
     if not smoke and not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False). "
-              "On a GPU machine: python -m experiments.gpu_check; for the CPU dry run: "
-              "python -m experiments.gpu_check smoke=true", file=sys.stderr)
+              "On a GPU machine: python -m decodelab.experiments.gpu_check; for the CPU dry run: "
+              "python -m decodelab.experiments.gpu_check smoke=true", file=sys.stderr)
         return 2
     plan = dict(SMOKE if smoke else FULL)
     out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("outputs/gpu_check.json")

@@ -1,9 +1,9 @@
 """KV-cache backends side by side: quality (teacher-forced agreement with dense),
 decode speed at long contexts, and memory; ours next to transformers' QuantizedCache.
 
-    python -m experiments.kv_bench part=quality   # 20 ShareGPT prompts x 256 reference tokens
-    python -m experiments.kv_bench part=speed     # decode ITL at 1k and 4k context
-    python -m experiments.kv_bench part=memory    # bytes: int4 vs bf16 dense, sliding Gemma 3, paged waste
+    python -m decodelab.experiments.kv_bench part=quality   # 20 ShareGPT prompts x 256 reference tokens
+    python -m decodelab.experiments.kv_bench part=speed     # decode ITL at 1k and 4k context
+    python -m decodelab.experiments.kv_bench part=memory    # bytes: int4 vs bf16 dense, sliding Gemma 3, paged waste
 
 Every figure comes with the run conditions; JSON goes to `out=` (default
 experiments/results/kv_bench-<part>.json).
@@ -19,11 +19,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.agreement import compare, dense_logits, forced_logits
-from decoding.prefill import prefill
-from decoding.text import make_cache
-from experiments.common import git_rev, print_table, synthetic_prompt, write_results
-from models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.decoding.agreement import compare, dense_logits, forced_logits
+from decodelab.decoding.prefill import prefill
+from decodelab.decoding.text import make_cache
+from decodelab.experiments.common import git_rev, print_table, synthetic_prompt, write_results
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 
 def backend(name: str, **options):
@@ -47,7 +47,7 @@ def hf_forced(hf, prompt: list[int], ref: list[int], **qkw) -> torch.Tensor:
 
 
 def quality(cfg, lm, hf) -> list[dict]:
-    from experiments.workloads import sharegpt
+    from decodelab.experiments.workloads import sharegpt
 
     tok = lm.tokenizer
     reqs = sharegpt(cfg.prompts, seed=cfg.seed, tokenizer=tok, max_prompt_tokens=cfg.max_prompt_tokens,
@@ -152,10 +152,10 @@ def memory(cfg, lm, hf) -> list[dict]:
     paged waste for a batch of mixed lengths 100-2000 next to dense preallocation."""
     import random
 
-    from cache.base import CacheLayout
-    from cache.paged import waste_report
-    from cache.sliding import sliding_memory
-    from models.loading import load
+    from decodelab.cache.base import CacheLayout
+    from decodelab.cache.paged import waste_report
+    from decodelab.cache.sliding import sliding_memory
+    from decodelab.models.loading import load
 
     ctx, rows = 4096, []
     lay = CacheLayout.of(lm.model)
@@ -198,7 +198,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     lm = instantiate_unwrapped(cfg.model)
-    from experiments.baseline import hf_model_for
+    from decodelab.experiments.baseline import hf_model_for
 
     hf = hf_model_for(lm)
     rows = {"quality": quality, "speed": speed, "memory": memory}[cfg.part](cfg, lm, hf)

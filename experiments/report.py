@@ -1,7 +1,7 @@
 """Report: turn a run or multirun directory of `results.jsonl` files into a CSV, a
 Markdown table and PNG plots.
 
-    python -m experiments.report DIR [--out OUTDIR]
+    python -m decodelab.experiments.report DIR [--out OUTDIR]
 
 Every run directory (at any depth under DIR) holds one `results.jsonl` written by
 `experiments.bench`: one `{"kind": "prompt", ...}` line per prompt, then one

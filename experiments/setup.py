@@ -13,9 +13,9 @@ import logging
 import torch
 from omegaconf import DictConfig
 
-from cache.base import CacheLayout
-from models.errors import SetupError
-from models.loading import instantiate_unwrapped
+from decodelab.cache.base import CacheLayout
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import instantiate_unwrapped
 
 log = logging.getLogger("decodelab.setup")
 
@@ -40,7 +40,7 @@ def is_speculative(decoder) -> bool:
 
 def model_problems(spec, key: str = "model") -> list[str]:
     """The non-architecture options of a conf/model spec (weights, matmul)."""
-    from models.loading import model_option_problems
+    from decodelab.models.loading import model_option_problems
 
     return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
                                  spec.get("device"), key)

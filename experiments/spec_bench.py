@@ -3,10 +3,10 @@ over plain greedy decoding on the same prompts, alpha, tokens per target call, t
 speedup Leviathan's formula predicts, and the implementation efficiency
 (measured / predicted). Greedy speculative output is also checked token for token.
 
-    python -m experiments.spec_bench [part=speed] [prompts=5] [new_tokens=128] [gammas=[2,4,8]]
+    python -m decodelab.experiments.spec_bench [part=speed] [prompts=5] [new_tokens=128] [gammas=[2,4,8]]
         [drafts=[prompt-lookup,early-exit]]
-    python -m experiments.spec_bench part=lossless prompts=20 new_tokens=64 gammas=[4]
-    python -m experiments.spec_bench part=verify_cost [tokens=[1,2,3,5,9]] [impls=[reference,onednn]]
+    python -m decodelab.experiments.spec_bench part=lossless prompts=20 new_tokens=64 gammas=[4]
+    python -m decodelab.experiments.spec_bench part=verify_cost [tokens=[1,2,3,5,9]] [impls=[reference,onednn]]
 
 Speedup = sum over prompts of plain decode time / sum of speculative decode time
 (decode time: first to last generated token). Runs alternate plain and speculative
@@ -33,15 +33,15 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.decoders import greedy
-from decoding.generate import generate
-from decoding.speculative import SpeculativeDecoder, predicted_speedups
-from decoding.text import make_cache
-from experiments.common import git_rev, print_table, write_results
-from experiments.workloads import sharegpt
-from models.errors import SetupError
-from models.loading import CONF_DIR, instantiate_unwrapped
-from models.matmul import impl_problems
+from decodelab.decoding.decoders import greedy
+from decodelab.decoding.generate import generate
+from decodelab.decoding.speculative import SpeculativeDecoder, predicted_speedups
+from decodelab.decoding.text import make_cache
+from decodelab.experiments.common import git_rev, print_table, write_results
+from decodelab.experiments.workloads import sharegpt
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.models.matmul import impl_problems
 
 
 def decode_seconds(r) -> float:
@@ -115,7 +115,7 @@ def forward_ms(model, cache, T: int, repeats: int) -> float:
 
 def verify_cost(cfg, lm, prompts) -> list[dict]:
     """Forward of T tokens vs one token, per matmul impl, at the first prompt's context."""
-    from decoding.prefill import prefill
+    from decodelab.decoding.prefill import prefill
 
     model, rows, one = lm.model, [], {}
     cache = make_cache(model, 1, len(prompts[0]) + max(cfg.tokens))
@@ -135,7 +135,7 @@ def verify_cost(cfg, lm, prompts) -> list[dict]:
 def lossless(cfg, lm, prompts) -> list[dict]:
     """Greedy speculative vs plain greedy, token for token, on every cache backend
     (target and draft caches of that backend) and drafter: the share of identical prompts."""
-    from experiments.kv_bench import backend
+    from decodelab.experiments.kv_bench import backend
 
     rows = []
     for cache_name in cfg.backends:

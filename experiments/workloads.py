@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.errors import SetupError, raise_if
-from models.loading import _source_key, cache_root
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.loading import _source_key, cache_root
 
 log = logging.getLogger("decodelab.workloads")
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -179,7 +179,7 @@ class Synthetic:
         self.lengths, self.per_length, self.seed = lengths, per_length, seed
 
     def __call__(self, lm) -> list[Request]:
-        from experiments.common import synthetic_prompt
+        from decodelab.experiments.common import synthetic_prompt
 
         out = []
         for n in self.lengths:

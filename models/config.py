@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from models.errors import SetupError, raise_if
+from decodelab.models.errors import SetupError, raise_if
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")

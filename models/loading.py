@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from models.config import ModelConfig, from_hf_config
-from models.errors import SetupError, raise_if
-from models.transformer import Transformer
-from models.weights import from_hf_state
+from decodelab.models.config import ModelConfig, from_hf_config
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.transformer import Transformer
+from decodelab.models.weights import from_hf_state
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +43,7 @@ class LoadedModel:
     def tokenizer(self):
         """The checkpoint's tokenizer (`models.tokenizer.Tokenizer`); error if it has none."""
         if self._tokenizer is None:
-            from models.tokenizer import Tokenizer
+            from decodelab.models.tokenizer import Tokenizer
 
             if self.tokenizer_dir is None and self.tokenizer_from:
                 self.tokenizer_dir = tokenizer_source(self.tokenizer_from)
@@ -122,8 +122,8 @@ def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=Non
     weights load: `weights` none | int8 | int4 (optimum-quanto weight-only quantization
     of the projections) and `matmul` (models.matmul.IMPLS) for a model of `dtype` on
     `device`; `key` names the options in the messages (`model`, `draft.model`)."""
-    from models.matmul import impl_problems
-    from models.quantize import WEIGHT_TYPES
+    from decodelab.models.matmul import impl_problems
+    from decodelab.models.quantize import WEIGHT_TYPES
 
     p = [] if weights in WEIGHT_TYPES else [f"{key}.weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
     try:
@@ -138,7 +138,7 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto") -> T
     now rather than in the first request."""
     model.set_matmul(matmul)
     if weights != "none":
-        from models.quantize import quantize_weights
+        from decodelab.models.quantize import quantize_weights
 
         model = quantize_weights(model, weights, copy=False)
     if model.lm_head is None and model.device.type == "cpu":

@@ -15,8 +15,8 @@ from copy import deepcopy
 import torch
 from torch import nn
 
-from models.errors import SetupError
-from models.transformer import Proj
+from decodelab.models.errors import SetupError
+from decodelab.models.transformer import Proj
 
 WEIGHT_TYPES = ("none", "int8", "int4")
 

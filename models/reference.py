@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from models.config import to_hf_config
-from models.weights import to_hf_state
+from decodelab.models.config import to_hf_config
+from decodelab.models.weights import to_hf_state
 
 
 def hf_reference(model, attn_implementation: str = "eager"):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import ModelConfig
-from models.errors import raise_if
-from models.matmul import PackedWeight, impl_problems, project, resolve_impl, version_of
+from decodelab.models.config import ModelConfig
+from decodelab.models.errors import raise_if
+from decodelab.models.matmul import PackedWeight, impl_problems, project, resolve_impl, version_of
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from models.config import ModelConfig
+from decodelab.models.config import ModelConfig
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
@@ -47,7 +47,7 @@ def _is_proj(name: str) -> bool:
 
 def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Native state dict from a transformers one; lists every missing tensor at once."""
-    from models.errors import SetupError
+    from decodelab.models.errors import SetupError
 
     names = hf_names(cfg)
     missing = [h for parts in names.values() for h, _ in parts if h not in hf]

@@ -3,7 +3,7 @@
 #   here:  make wheelhouse                 (hydra, omegaconf, antlr4, optimum-quanto, ... as wheels)
 #   there: bash scripts/gpu_check.sh       (the device tool: carry ["wheelhouse"], timeout_s 600)
 # Installs the wheels into /tmp/site (the machine's torch and triton are used as they are),
-# records the GPU, runs `python -m experiments.gpu_check` (its own budget: 420 s) and leaves
+# records the GPU, runs `python -m decodelab.experiments.gpu_check` (its own budget: 420 s) and leaves
 # gpu_check.json, gpu_check.log and nvidia-smi.txt in $OUT (else outputs/).
 # Extra arguments go to gpu_check (e.g. budget_s=300, or smoke=true for the CPU dry run).
 set -uo pipefail
@@ -19,4 +19,4 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv >"$DEST/nvidia-smi.txt" 2>&1
 cat "$DEST/nvidia-smi.txt"
-timeout 560 "$PY" -m experiments.gpu_check out="$DEST/gpu_check.json" "$@" 2>&1 | tee "$DEST/gpu_check.log"
+timeout 560 "$PY" -m decodelab.experiments.gpu_check out="$DEST/gpu_check.json" "$@" 2>&1 | tee "$DEST/gpu_check.log"

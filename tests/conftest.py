@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.dense import DenseCache
-from decoding.text import make_cache
-from models.loading import random_model
+from decodelab.cache.dense import DenseCache
+from decodelab.decoding.text import make_cache
+from decodelab.models.loading import random_model
 
 torch.set_num_threads(2)
 
@@ -61,13 +61,13 @@ def random_ids(n: int, vocab: int = 256, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from models.loading import load
+    from decodelab.models.loading import load
 
     return load("smollm2-135m", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def gemma3_270m():
-    from models.loading import load
+    from decodelab.models.loading import load
 
     return load("gemma3-270m", device="cpu", dtype="float32")

@@ -7,8 +7,8 @@ tolerance of the dtype (fp32 1e-4, bf16 2e-2). Block tables are random permutati
 the pool (non-consecutive blocks), unused blocks hold a large poison value, and rows
 have different lengths.
 
-    TRITON_INTERPRET=1 python -m cache.kernels.check            # every case on the CPU, JSON out
-    python -m cache.kernels.check device=cuda dtypes=bfloat16   # on a GPU
+    TRITON_INTERPRET=1 python -m decodelab.cache.kernels.check            # every case on the CPU, JSON out
+    python -m decodelab.cache.kernels.check device=cuda dtypes=bfloat16   # on a GPU
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from cache.base import CacheLayout
-from cache.kernels.int4 import cache_rows, int4_attention_reference, int4_attention_triton, kernel_queries
-from cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
+from decodelab.cache.base import CacheLayout
+from decodelab.cache.kernels.int4 import cache_rows, int4_attention_reference, int4_attention_triton, kernel_queries
+from decodelab.cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +57,7 @@ def dense_case(device, dtype, B=2, Hq=4, Hkv=2, D=16, S=48, bs=16, lengths=(30, 
                seed=0):
     """A dense layer [B, Hkv, S, D] read by the paged kernel through `dense_as_pool` (the
     static decode step's path), one query per row, against SDPA over each row's keys."""
-    from cache.base import reference_attention
+    from decodelab.cache.base import reference_attention
 
     g = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(B, Hkv, S, D, generator=g).to(device, dtype) for _ in range(2))
@@ -75,7 +75,7 @@ def int4_case(device, dtype, B=2, Hq=4, Hkv=2, D=32, lengths=(100, 150), T=1, wi
               splits=None, seed=0, **options):
     """Kernel and reference outputs for T new queries per row of an int4 cache that holds
     `lengths` tokens (stored as the cache stores them: quantized blocks + exact store)."""
-    from cache.int4 import QuantizedCache
+    from decodelab.cache.int4 import QuantizedCache
 
     g = torch.Generator().manual_seed(seed)
     opts = dict(nbits=4, group_size=32, residual=8, flush=32, key_axis="channel", value_axis="token", rollback=4)
@@ -98,8 +98,8 @@ def cache_case(device, dtype, backend="paged", windows=(None, 7), T=3, seed=0, *
     """Whole-cache agreement: two caches of one backend, impl=triton and impl=reference,
     through a padded prefill (reference path), decode steps of T and 1 queries, a rollback
     and more decoding; the outputs of valid queries of every decode step, stacked."""
-    from cache.int4 import QuantizedCache
-    from cache.paged import PagedCache
+    from decodelab.cache.int4 import QuantizedCache
+    from decodelab.cache.paged import PagedCache
 
     g = torch.Generator().manual_seed(seed)
     Hkv, Hq, D, B = 2, 6, 32, 3
@@ -198,7 +198,7 @@ def compile_ahead(cases=AOT_CASES, dtypes=(torch.bfloat16, torch.float32), arch:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cache.kernels import common_triton, int4_triton, paged_triton
+    from decodelab.cache.kernels import common_triton, int4_triton, paged_triton
 
     kernels = [(paged_triton, "_paged_kernel"), (int4_triton, "_int4_kernel"), (common_triton, "_combine_kernel")]
     launches: dict = {}

@@ -118,7 +118,7 @@ def combine(out: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l_s: torch.Te
 def dot_dtype(q: torch.Tensor) -> tuple[bool, object]:
     """(IEEE, dtype the dot operands take): fp32 inputs and the interpreter (whose bf16 dot
     is wrong) compute exact fp32 dots; bf16 / fp16 on a GPU use the tensor cores."""
-    from cache.kernels.dispatch import interpreting
+    from decodelab.cache.kernels.dispatch import interpreting
 
     ieee = q.dtype == torch.float32 or interpreting()
     return ieee, tl.float32 if ieee else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)

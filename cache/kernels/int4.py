@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache.base import reference_attention
+from decodelab.cache.base import reference_attention
 
 if TYPE_CHECKING:  # cache.int4 imports this module
-    from cache.int4 import Grouping, QStore
+    from decodelab.cache.int4 import Grouping, QStore
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Int4Rows:
 
 def row_keys(rows: Int4Rows, b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row b's key positions [S] and keys, values [Hkv, S, D]: dequantized [lo, qa), then exact [fs, hi)."""
-    from cache.int4 import dequantize_into
+    from decodelab.cache.int4 import dequantize_into
 
     lo, qa, fs, hi, p0 = rows.lo[b], rows.qa[b], rows.fs[b], rows.hi[b], rows.p0[b]
     exact = (rows.kr[b], rows.vr[b])
@@ -87,7 +87,7 @@ def int4_attention_reference(
 def int4_attention_triton(q, rows, qpos, vis, scale, window=None, softcap=None, num_splits=None) -> torch.Tensor:
     """The Triton kernel of `int4_attention_reference` (same arguments, same result, up to
     float rounding); `num_splits` None picks the quantized-range splits that fill the GPU."""
-    from cache.kernels import int4_triton  # triton is imported here, at first use
+    from decodelab.cache.kernels import int4_triton  # triton is imported here, at first use
 
     return int4_triton.int4_attention(q, rows, qpos, vis, scale, window, softcap, num_splits)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cache.base import reference_attention
+from decodelab.cache.base import reference_attention
 
 
 def paged_attention_reference(
@@ -56,6 +56,6 @@ def paged_attention_triton(q, k_pool, v_pool, table, qpos, kv_len, scale, window
                            num_splits=None) -> torch.Tensor:
     """The Triton kernel of `paged_attention_reference` (same arguments, same result);
     `num_splits` None picks a split-K count that fills the GPU."""
-    from cache.kernels import paged_triton  # triton is imported here, at first use
+    from decodelab.cache.kernels import paged_triton  # triton is imported here, at first use
 
     return paged_triton.paged_attention(q, k_pool, v_pool, table, qpos, kv_len, scale, window, softcap, num_splits)

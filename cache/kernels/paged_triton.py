@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cache.kernels.common_triton import attend_tile, combine, dot_dtype, finish, partials
-from cache.kernels.dispatch import split_count
+from decodelab.cache.kernels.common_triton import attend_tile, combine, dot_dtype, finish, partials
+from decodelab.cache.kernels.dispatch import split_count
 
 
 @triton.jit

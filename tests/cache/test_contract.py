@@ -14,8 +14,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from cache.base import CacheLayout
-from models.loading import CONF_DIR
+from decodelab.cache.base import CacheLayout
+from decodelab.models.loading import CONF_DIR
 
 BACKENDS = sorted(p.stem for p in (CONF_DIR / "cache").glob("*.yaml"))
 H_Q, H_KV, D = 4, 2, 8

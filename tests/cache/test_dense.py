@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache.base import CacheLayout, attention_mask, reference_attention
-from cache.dense import DenseCache
-from models.errors import SetupError
+from decodelab.cache.base import CacheLayout, attention_mask, reference_attention
+from decodelab.cache.dense import DenseCache
+from decodelab.models.errors import SetupError
 
 
 def layout(n_layers=2, n_kv=2, head_dim=2, windows=None, dtype=torch.float32):

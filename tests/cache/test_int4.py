@@ -11,14 +11,14 @@ import torch
 from optimum import quanto
 from optimum.quanto import quantize_weight
 
-from cache.base import CacheLayout
-from cache.dense import DenseCache
-from cache.int4 import QTYPES, Grouping, QuantizedCache, bf16_ratio, dequantize_into, quantize, worst_context
-from decoding import generate, greedy, prefill
-from decoding.drafters import EarlyExit, ModelDrafter
-from decoding.speculative import SpeculativeDecoder
-from decoding.text import make_cache
-from models.errors import SetupError
+from decodelab.cache.base import CacheLayout
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.int4 import QTYPES, Grouping, QuantizedCache, bf16_ratio, dequantize_into, quantize, worst_context
+from decodelab.decoding import generate, greedy, prefill
+from decodelab.decoding.drafters import EarlyExit, ModelDrafter
+from decodelab.decoding.speculative import SpeculativeDecoder
+from decodelab.decoding.text import make_cache
+from decodelab.models.errors import SetupError
 from tests.cache.test_contract import History, assert_close, build, check_all
 from tests.conftest import random_ids
 

@@ -2,7 +2,7 @@
 
 On the CPU the kernels run in the Triton interpreter. It must be on before triton is
 first imported and it would change every later kernel of the process, so all CPU cases
-run in one subprocess (`python -m cache.kernels.check` with TRITON_INTERPRET=1) and each
+run in one subprocess (`python -m decodelab.cache.kernels.check` with TRITON_INTERPRET=1) and each
 test here asserts one case's error. On CUDA the same cases, plus a grid of larger shapes,
 run in-process on the compiled kernels (skipped without a GPU). Everything that needs
 triton skips when it is not installed.
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.base import CacheLayout
-from cache.kernels.check import CASES, DTYPES, TOLERANCE, cache_case, int4_case, paged_case, run_cases
-from cache.kernels.dispatch import impl_problems, resolve_impl, triton_installed
-from cache.paged import PagedCache
-from models.errors import SetupError
+from decodelab.cache.base import CacheLayout
+from decodelab.cache.kernels.check import CASES, DTYPES, TOLERANCE, cache_case, int4_case, paged_case, run_cases
+from decodelab.cache.kernels.dispatch import impl_problems, resolve_impl, triton_installed
+from decodelab.cache.paged import PagedCache
+from decodelab.models.errors import SetupError
 from tests.cache.test_contract import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def pythonpath() -> str:
 def interpreted() -> dict:
     """(case, dtype) -> result of every case, run once under the Triton interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath())
-    run = subprocess.run([sys.executable, "-m", "cache.kernels.check", "device=cpu", "dtypes=float32,bfloat16"],
+    run = subprocess.run([sys.executable, "-m", "decodelab.cache.kernels.check", "device=cpu", "dtypes=float32,bfloat16"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"the interpreter run failed:\n{run.stderr[-4000:]}"
     return {(r["case"], r["dtype"]): r for r in json.loads(run.stdout)}
@@ -68,7 +68,7 @@ def test_kernels_compile_for_hopper():
     if not ptxas_bundled():
         pytest.skip("triton's bundled ptxas is missing")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": pythonpath()}
-    run = subprocess.run([sys.executable, "-m", "cache.kernels.check", "aot=90", "dtypes=bfloat16"], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "decodelab.cache.kernels.check", "aot=90", "dtypes=bfloat16"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     built = json.loads(run.stdout)

@@ -9,10 +9,10 @@ from functools import partial
 import pytest
 import torch
 
-from cache.base import CacheLayout
-from cache.paged import PagedCache, chain_hashes, waste_report
-from decoding import generate, greedy, prefill
-from models.errors import SetupError
+from decodelab.cache.base import CacheLayout
+from decodelab.cache.paged import PagedCache, chain_hashes, waste_report
+from decodelab.decoding import generate, greedy, prefill
+from decodelab.models.errors import SetupError
 from tests.conftest import cache_for, random_ids
 
 

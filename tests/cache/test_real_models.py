@@ -8,11 +8,11 @@ from functools import partial
 import pytest
 import torch
 
-from cache.dense import DenseCache
-from cache.int4 import QuantizedCache
-from cache.paged import PagedCache
-from cache.sliding import SlidingCache
-from decoding.text import make_cache
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.int4 import QuantizedCache
+from decodelab.cache.paged import PagedCache
+from decodelab.cache.sliding import SlidingCache
+from decodelab.decoding.text import make_cache
 
 pytestmark = pytest.mark.slow
 TEXT = ("The committee met on Tuesday to review the budget, the schedule and the open questions "
@@ -47,8 +47,8 @@ def test_gemma3_exact_backends_past_the_window(gemma3_270m):
 
 
 def test_smollm2_int4_stays_close_to_dense(smollm2):
-    from decoding.agreement import compare, forced_logits
-    from experiments.workloads import sharegpt
+    from decodelab.decoding.agreement import compare, forced_logits
+    from decodelab.experiments.workloads import sharegpt
 
     tok = smollm2.tokenizer
     reqs = sharegpt(2, seed=1, tokenizer=tok, min_prompt_tokens=200, max_prompt_tokens=400,

@@ -8,12 +8,12 @@ import functools
 import pytest
 import torch
 
-from cache.base import CacheLayout, reference_attention
-from cache.dense import DenseCache
-from cache.sliding import SlidingCache, sliding_memory
-from decoding import generate, greedy, prefill
-from decoding.text import make_cache
-from models.errors import SetupError
+from decodelab.cache.base import CacheLayout, reference_attention
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.sliding import SlidingCache, sliding_memory
+from decodelab.decoding import generate, greedy, prefill
+from decodelab.decoding.text import make_cache
+from decodelab.models.errors import SetupError
 from tests.cache.test_contract import History, build, check_all
 from tests.conftest import random_ids
 

@@ -9,12 +9,12 @@ from functools import partial
 import pytest
 import torch
 
-from cache.int4 import QuantizedCache
-from cache.paged import PagedCache
-from decoding import prefill
-from cache.kernels.paged import dense_as_pool
-from decoding.compiled import StaticDecoder, greedy_decode
-from models.errors import SetupError
+from decodelab.cache.int4 import QuantizedCache
+from decodelab.cache.paged import PagedCache
+from decodelab.decoding import prefill
+from decodelab.cache.kernels.paged import dense_as_pool
+from decodelab.decoding.compiled import StaticDecoder, greedy_decode
+from decodelab.models.errors import SetupError
 from tests.conftest import cache_for, random_ids
 
 PROMPTS = [random_ids(11, seed=1), random_ids(5, seed=2)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding import generate, greedy, prefill
-from decoding.decoders import SamplingDecoder
-from models.errors import SetupError
+from decodelab.decoding import generate, greedy, prefill
+from decodelab.decoding.decoders import SamplingDecoder
+from decodelab.models.errors import SetupError
 from tests.conftest import cache_for, random_ids
 
 

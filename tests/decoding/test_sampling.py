@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy import stats
 
-from decoding.decoders import SamplingDecoder
-from decoding.sampling import SamplingParams, choose, logits_to_probs, sample
-from models.errors import SetupError
+from decodelab.decoding.decoders import SamplingDecoder
+from decodelab.decoding.sampling import SamplingParams, choose, logits_to_probs, sample
+from decodelab.models.errors import SetupError
 
 DESIGN_LOGITS = torch.tensor([[0.1, 0.2, 0.1, 0.3, 2.4, 0.2, 0.5]])
 

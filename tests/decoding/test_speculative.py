@@ -7,13 +7,13 @@ import pytest
 import torch
 from scipy import stats
 
-from decoding import generate, greedy
-from decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
-from decoding.sampling import SamplingParams, logits_to_probs
-from decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup, overlap,
+from decodelab.decoding import generate, greedy
+from decodelab.decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
+from decodelab.decoding.sampling import SamplingParams, logits_to_probs
+from decodelab.decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup, overlap,
                                   rejection_sample)
-from models.errors import SetupError
-from models.loading import random_model
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import random_model
 from tests.conftest import TINY, cache_for, random_ids
 
 
@@ -210,7 +210,7 @@ def test_bad_setups_are_refused_before_any_forward(tiny_llama):
 
 
 def test_cache_with_too_little_rollback_is_refused(tiny_llama):
-    from cache.dense import DenseCache
+    from decodelab.cache.dense import DenseCache
 
     class ShortRollback(DenseCache):
         rollback_limit = 2
@@ -236,7 +236,7 @@ def test_tokenizer_mismatch_is_refused(tiny_llama):
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_self_draft_is_lossless(tiny_llama, weights):
-    from decoding.drafters import quantized_self
+    from decodelab.decoding.drafters import quantized_self
 
     m = tiny_llama.model
     prompts = [random_ids(10, seed=8)]
@@ -247,7 +247,7 @@ def test_quantized_self_draft_is_lossless(tiny_llama, weights):
 
 
 def test_early_exit_layers_are_checked(tiny_llama):
-    from decoding.drafters import early_exit
+    from decodelab.decoding.drafters import early_exit
 
     with pytest.raises(SetupError, match=r"\[1, 1\]"):
         early_exit(tiny_llama, layers=2)
@@ -256,7 +256,7 @@ def test_early_exit_layers_are_checked(tiny_llama):
 def test_finished_rows_do_not_grow_or_exceed_rollback(tiny_llama):
     """A row that ended (EOS) is fed as padding: a cache whose rollback equals gamma
     keeps working while the other row goes on."""
-    from cache.dense import DenseCache
+    from decodelab.cache.dense import DenseCache
 
     class ExactRollback(DenseCache):
         rollback_limit = 3

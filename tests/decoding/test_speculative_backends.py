@@ -21,12 +21,12 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from cache.base import CacheLayout
-from decoding import generate, greedy
-from decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
-from decoding.speculative import SpeculativeDecoder
-from decoding.text import make_cache
-from models.loading import CONF_DIR
+from decodelab.cache.base import CacheLayout
+from decodelab.decoding import generate, greedy
+from decodelab.decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
+from decodelab.decoding.speculative import SpeculativeDecoder
+from decodelab.decoding.text import make_cache
+from decodelab.models.loading import CONF_DIR
 from tests.conftest import random_ids
 
 BACKENDS = sorted(p.stem for p in (Path(CONF_DIR) / "cache").glob("*.yaml"))

@@ -14,11 +14,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from cache.dense import DenseCache
-from cache.paged import PagedCache
-from decoding.agreement import forced_logits
-from experiments.agree import compose_setup, first_diff, run, split_overrides, verify_forced_logits
-from models.loading import CONF_DIR
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.paged import PagedCache
+from decodelab.decoding.agreement import forced_logits
+from decodelab.experiments.agree import compose_setup, first_diff, run, split_overrides, verify_forced_logits
+from decodelab.models.loading import CONF_DIR
 from tests.conftest import random_ids
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def agree(tmp_path: Path, *overrides: str) -> tuple[int, dict | None]:
 
 
 def cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "experiments.agree", *overrides], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "decodelab.experiments.agree", *overrides], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -138,9 +138,9 @@ def test_bad_config_exits_2_with_every_reason_and_no_traceback(tmp_path):
 
 
 def test_bad_config_loads_no_weights(tmp_path, monkeypatch, capsys):
-    import models.loading
+    import decodelab.models.loading as loading
 
-    monkeypatch.setattr(models.loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
     code, doc = agree(tmp_path, *BAD)
     assert code == 2 and doc is None
     assert "9 problem(s)" in capsys.readouterr().err
@@ -154,7 +154,7 @@ def test_overrides_reach_the_setups_that_have_the_option():
                                                            "decoder: ++decoder.OPTION=VALUE)"]
     paged, dense = compose_setup("speculative-paged", groups, values), compose_setup("dense", groups, values)
     assert paged.cache.block_size == 8 and paged.draft.layers == 2 and paged.model.name == "tiny-llama"
-    assert "block_size" not in dense.cache and dense.cache._target_ == "cache.dense.DenseCache"
+    assert "block_size" not in dense.cache and dense.cache._target_ == "decodelab.cache.dense.DenseCache"
     assert paged.agreement.free_identical is True and dense.setup_name == "dense"
 
 
@@ -176,7 +176,7 @@ def test_first_diff():
 
 @pytest.mark.slow
 def test_smollm2_against_transformers_passes_exact_setups(tmp_path):
-    from experiments.common import FILLER
+    from decodelab.experiments.common import FILLER
 
     # the second prompt is long enough (~250 tokens with the reply) for int4 to quantize
     # blocks behind its exact residual of 112

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.bench import RESULTS, config_hash, run
-from experiments.report import load_runs
-from models.loading import CONF_DIR
+from decodelab.experiments.bench import RESULTS, config_hash, run
+from decodelab.experiments.report import load_runs
+from decodelab.models.loading import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny-llama", "model.device=cpu", "draft.layers=1", "progress=false", "warmup=false"]
@@ -31,7 +31,7 @@ def prompts(tmp_path) -> Path:
 
 
 def bench(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "experiments.bench", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "decodelab.experiments.bench", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, **kw)
 
 
@@ -78,7 +78,7 @@ def test_kill_9_mid_sweep_keeps_finished_runs_and_the_rerun_completes_the_rest(t
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "workload=jsonl", f"workload.path={prompts}", "max_new_tokens=40",
             "cache=dense,paged,int4,sliding", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.bench", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "decodelab.experiments.bench", *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while not results(sweep) and time.time() < deadline and proc.poll() is None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.generate import run
-from models.errors import SetupError
-from models.loading import CONF_DIR
+from decodelab.experiments.generate import run
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,16 +47,16 @@ def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
     ("max_new_tokens=0", "max_new_tokens"),
 ])
 def test_bad_requests_fail_before_weights_load(override, match, monkeypatch):
-    import models.loading
+    import decodelab.models.loading as loading
 
-    monkeypatch.setattr(models.loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
     args = ["model=tiny-llama", "prompt=hi", override]
     with pytest.raises(SetupError, match=match):
         run(config(*args))
 
 
 def test_cli_exit_code_and_message():
-    p = subprocess.run([sys.executable, "-m", "experiments.generate", "model=tiny-llama", "prompt=hi",
+    p = subprocess.run([sys.executable, "-m", "decodelab.experiments.generate", "model=tiny-llama", "prompt=hi",
                         "decoder.temperature=nan", "decoder.top_k=-3"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 2
@@ -64,7 +64,7 @@ def test_cli_exit_code_and_message():
 
 
 def test_cli_reads_stdin():
-    p = subprocess.run([sys.executable, "-m", "experiments.generate", "model=tiny-llama", "model.device=cpu",
+    p = subprocess.run([sys.executable, "-m", "decodelab.experiments.generate", "model=tiny-llama", "model.device=cpu",
                         "max_new_tokens=3", "chat_template=false"], cwd=ROOT, input="Hello from stdin",
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -72,7 +72,7 @@ def test_cli_reads_stdin():
 
 
 def test_baseline_runs_on_a_tiny_model(capsys):
-    from experiments.baseline import main
+    from decodelab.experiments.baseline import main
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="baseline", overrides=["model=tiny-llama", "model.device=cpu", "repeats=1",

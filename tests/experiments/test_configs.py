@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments import setup
-from models.errors import SetupError
-from models.loading import CONF_DIR
+from decodelab.experiments import setup
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR
 
 
 def config(*overrides: str):
@@ -63,14 +63,14 @@ def test_every_group_option_composes_and_its_target_takes_its_options(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer():
-    from models.loading import instantiate_unwrapped
+    from decodelab.models.loading import instantiate_unwrapped
 
     return instantiate_unwrapped(config("model=tiny-llama", "model.device=cpu").model)
 
 
 @pytest.mark.parametrize("workload", names("workload"))
 def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny_with_tokenizer):
-    from models.loading import instantiate_unwrapped
+    from decodelab.models.loading import instantiate_unwrapped
 
     f = tmp_path / "w.jsonl"
     f.write_text('{"prompt": "Hi there", "reference": "Hello!"}\n{"prompt": "Bye"}\n')
@@ -98,7 +98,7 @@ def test_every_named_setup_checks_and_builds(name, tiny_models):
 
 @pytest.mark.parametrize("name", names("experiment"))
 def test_every_named_experiment_composes_and_checks(name):
-    from experiments.bench import check
+    from decodelab.experiments.bench import check
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=[f"experiment={name}"], return_hydra_config=True)
@@ -117,8 +117,8 @@ def test_launcher_configs_compose(launcher):
 
 
 def test_precheck_lists_unknown_groups_keys_and_bad_values_together(capsys):
-    from experiments.bench import check
-    from experiments.cli import precheck
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
 
     with pytest.raises(SystemExit) as e:
         precheck(["cache=pagd", "decoder=speculative", "decoder.gamma=0", "decoder.temprature=0.5",
@@ -131,7 +131,7 @@ def test_precheck_lists_unknown_groups_keys_and_bad_values_together(capsys):
 
 
 def test_precheck_lets_a_good_config_through():
-    from experiments.bench import check
-    from experiments.cli import precheck
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
 
     precheck(["cache=paged", "decoder=speculative", "decoder.gamma=3", "-m", "cache.block_size=32"], "config", check)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.kernels.dispatch import triton_installed
-from experiments import gpu_check
+from decodelab.cache.kernels.dispatch import triton_installed
+from decodelab.experiments import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def smoke(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu_check") / "report.json"
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    run = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "smoke=true", f"out={out}"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "decodelab.experiments.gpu_check", "smoke=true", f"out={out}"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(out.read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.report import (load_runs, main, markdown_table, table_rows, write_report)
+from decodelab.experiments.report import (load_runs, main, markdown_table, table_rows, write_report)
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -155,7 +155,7 @@ def test_cli_prints_table_and_paths(sweep, capsys):
 def test_cli_exits_2_without_finished_runs(tmp_path):
     write_run(tmp_path / "only" / "0", "c00000000001", "dense", complete=False)
     for target in (tmp_path / "only", tmp_path / "missing"):
-        r = subprocess.run([sys.executable, "-m", "experiments.report", str(target)], cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "decodelab.experiments.report", str(target)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2, r.stderr
         assert str(target) in r.stderr and "results.jsonl" in r.stderr and "Traceback" not in r.stderr

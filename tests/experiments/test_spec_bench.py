@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def spec_bench(tmp_path, *args: str) -> list[dict]:
     out = tmp_path / "out.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.spec_bench", "model=tiny-llama", "model.device=cpu",
+    p = subprocess.run([sys.executable, "-m", "decodelab.experiments.spec_bench", "model=tiny-llama", "model.device=cpu",
                         "prompts=2", "new_tokens=10", "max_prompt_tokens=64", "draft_options.early-exit.layers=1",
                         f"out={out}", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -38,7 +38,7 @@ def test_speed_rows_carry_both_predictions(tmp_path):
 
 
 def test_verify_cost_rows_per_impl_and_token_count(tmp_path):
-    from models.matmul import onednn_available
+    from decodelab.models.matmul import onednn_available
 
     impls = ["reference", "onednn"] if onednn_available() else ["reference"]
     rows = spec_bench(tmp_path, "part=verify_cost", "tokens=[3,1,5]", "repeats=2", f"impls=[{','.join(impls)}]")
@@ -50,7 +50,7 @@ def test_verify_cost_rows_per_impl_and_token_count(tmp_path):
 
 
 def spec_bench_fails(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "experiments.spec_bench", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "decodelab.experiments.spec_bench", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.reference import hf_reference
+from decodelab.models.reference import hf_reference
 from tests.conftest import cache_for, random_ids
 
 TOL = 1e-4  # fp32, max |logit difference|
@@ -98,7 +98,7 @@ def test_gemma3_270m_matches_transformers_past_the_window(gemma3_270m):
 def test_smollm2_greedy_32_tokens_identical_to_transformers_generate(smollm2):
     from transformers import LlamaForCausalLM
 
-    from decoding import generate, greedy
+    from decodelab.decoding import generate, greedy
 
     hf = LlamaForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32).eval()
     tok = smollm2.tokenizer

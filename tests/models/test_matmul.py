@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from models import matmul
-from models.errors import SetupError
-from models.loading import load, random_model
-from models.matmul import PackedWeight, impl_problems, project
+from decodelab.models import matmul
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import load, random_model
+from decodelab.models.matmul import PackedWeight, impl_problems, project
 from tests.conftest import TINY, cache_for, random_ids
 
 needs_onednn = pytest.mark.skipif(not matmul.onednn_available(), reason="torch built without oneDNN")
@@ -121,8 +121,8 @@ def test_bad_options_are_refused_before_loading(monkeypatch):
 def test_setup_check_covers_target_and_draft_model_options():
     from hydra import compose, initialize_config_dir
 
-    from experiments import setup
-    from models.loading import CONF_DIR
+    from decodelab.experiments import setup
+    from decodelab.models.loading import CONF_DIR
 
     def reasons(*overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -149,7 +149,7 @@ def test_weights_option_quantizes_the_target():
     assert not torch.equal(out, full)  # quantized for real
     assert (out - full).abs().max() < 0.05 * full.abs().max()
     assert (out.argmax(-1) == full.argmax(-1)).float().mean() > 0.9
-    from decoding.drafters import quantized_self
+    from decodelab.decoding.drafters import quantized_self
 
     with pytest.raises(SetupError, match="quantized already"):  # a self-draft of it would be itself
         quantized_self(random_model(TINY["llama"], device="cpu", weights="int8"), "int4")
