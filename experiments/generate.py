@@ -2,14 +2,18 @@
 
     python -m decodelab.experiments.generate prompt="Hello" [model=smollm2-135m] [cache=dense]
         [decoder=greedy|sampling] [decoder.temperature=0.7] [max_new_tokens=64]
-        [chat_template=true|false] [prompt_file=PATH] [stop='[".\\n"]']
-    echo "Hello" | python -m decodelab.experiments.generate
+        [chat_template=true|false] [prompt_file=PATH] [stop='[".\\n"]'] [json=true]
+    echo "Hello" | python -m decodelab.experiments.generate > reply.txt
 
+Unix habits: stdout carries the generated text and nothing else (streamed as it comes);
+logs and the timing summary go to stderr; a plain call writes no files (no outputs/
+run directory). With `json=true`, stdout holds one JSON record instead (see `record`).
 Everything that can be checked before the weights load is checked first.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -27,6 +31,17 @@ from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.generate")
+
+# Hydra overrides `cli` adds (the user's own of the same keys still win): Hydra's loggers
+# print to stderr, not stdout, and a plain call creates no run directory, .hydra/ or generate.log
+QUIET_HYDRA = (
+    "hydra.job_logging.handlers.console.stream=ext://sys.stderr",
+    "hydra.hydra_logging.handlers.console.stream=ext://sys.stderr",
+    "~hydra.job_logging.handlers.file",  # the <run dir>/generate.log copy of the logs
+    "hydra.job_logging.root.handlers=[console]",
+    "hydra.output_subdir=null",
+    "hydra.run.dir=.",
+)
 
 
 def read_prompt(cfg: DictConfig) -> str:
@@ -58,7 +73,8 @@ def check_request(cfg: DictConfig, text: str) -> None:
 
 
 def report(result, out=None) -> None:
-    out = out or sys.stdout
+    """The human summary (finish, TTFT, ITL, tok/s, KV bytes), to stderr unless `out` is given."""
+    out = out or sys.stderr
     s = result.summary()
     fmt = lambda v, unit="": "n/a" if v is None else f"{v:.2f}{unit}"  # noqa: E731
     print(f"\n\n--- {s['new_tokens']} tokens, finish: {','.join(result.finish_reasons)}", file=out)
@@ -67,6 +83,22 @@ def report(result, out=None) -> None:
           f"p95 {fmt(s['itl_p95_ms'], ' ms')} | decode {fmt(s['decode_tok_s'], ' tok/s')}", file=out)
     print(f"KV cache: {s['kv_tokens']} tokens, formula {s['kv_bytes_formula']:,} B "
           f"(2 x layers x kv_heads x tokens x head_dim x bytes), allocated {s['kv_bytes_allocated']:,} B", file=out)
+
+
+def record(result, conditions: dict) -> dict:
+    """The `json=true` record of a one-prompt run: text, finish reason, token counts,
+    TTFT and ITL percentiles (ms), decode tok/s, KV bytes (formula and allocated),
+    decoder statistics ({} when the decoder keeps none) and the run conditions."""
+    s = result.summary()
+    ms = lambda v: None if v is None else 1000 * v  # noqa: E731
+    return {
+        "text": result.text[0], "finish": result.finish_reasons[0],
+        "prompt_tokens": result.prompt_lengths[0], "new_tokens": s["new_tokens"],
+        "ttft_ms": ms(s["ttft_s"]), "tokenize_ms": ms(s["tokenize_s"]), "prefill_ms": ms(s["prefill_s"]),
+        **{k: s[k] for k in ("itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "decode_tok_s")},
+        **{k: s[k] for k in ("kv_tokens", "kv_bytes_formula", "kv_bytes_allocated")},
+        "stats": result.stats, "conditions": conditions,
+    }
 
 
 def check_all(cfg: DictConfig, text: str) -> None:
@@ -93,17 +125,25 @@ def run(cfg: DictConfig):
     tokenize_s = time.perf_counter() - t0
     cache = make_cache(lm.model, 1, len(ids) + cfg.max_new_tokens + decoder.lookahead, factory)
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
-    stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream else None
+    stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream and not cfg.json else None
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
                       stop=tuple(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
                       t_start=t0, tokenize_s=tokenize_s)
-    if not cfg.stream:
-        print(result.text[0], end="")
+    emit(cfg, result, run_conditions(lm.model), streamed=stream is not None)
+    return result
+
+
+def emit(cfg: DictConfig, result, conditions: dict, streamed: bool) -> None:
+    """stdout: the text (unless already streamed) or, with `json=true`, one JSON record;
+    stderr: the summary, the decoder statistics and the run conditions."""
+    if cfg.json:
+        print(json.dumps(record(result, conditions)), flush=True)
+    elif not streamed:
+        print(result.text[0], end="", flush=True)
     report(result)
     if result.stats:
         log.info("decoder statistics: %s", result.stats)
-    log.info("conditions: %s", run_conditions(lm.model))
-    return result
+    log.info("conditions: %s", conditions)
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
@@ -115,9 +155,22 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def with_quiet_hydra(argv: list[str]) -> list[str]:
+    """`argv` with QUIET_HYDRA just before the first override (`key=value`), or first when
+    there is none: Hydra parses one run of overrides, around its flags, and of two overrides
+    of one key the later wins. ["-m", "a=1"] -> ["-m", *QUIET_HYDRA, "a=1"]. A logging
+    config the user picks (`hydra/job_logging=disabled`) is left as it is."""
+    picked = {a.partition("=")[0].removeprefix("hydra/") for a in argv if a.startswith("hydra/")}
+    quiet = [o for o in QUIET_HYDRA if o.lstrip("~").split(".")[1] not in picked]  # hydra.<group>...
+    i = next((k for k, a in enumerate(argv) if "=" in a and not a.startswith("-")), 0)
+    return [*argv[:i], *quiet, *argv[i:]]
+
+
 def cli() -> None:
-    """Console entry: every bad config-group option reported with the other problems."""
+    """Console entry (`decodelab-generate`, `python -m`): every bad config-group option
+    reported with the other problems; then Hydra, its logs on stderr (QUIET_HYDRA)."""
     precheck(sys.argv[1:], "config", setup.check)
+    sys.argv[1:] = with_quiet_hydra(sys.argv[1:])
     main()
 
 

@@ -1,7 +1,9 @@
-"""The generation CLI and the baseline entry point, end to end on tiny models."""
+"""The generation CLI end to end on tiny models: stdout holds only the reply (or one JSON
+record with `json=true`); logs and the summary go to stderr."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,11 +25,11 @@ def config(*overrides: str):
 
 def test_generate_streams_and_reports(capsys):
     r = run(config("model=tiny-llama", "model.device=cpu", "prompt=Hello there", "max_new_tokens=6"))
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert len(r.tokens[0]) == 6
-    assert "TTFT" in out and "ITL p50" in out and "tok/s" in out
-    assert f"formula {r.kv['kv_bytes_formula']:,} B" in out and "allocated" in out
-    assert out.startswith(r.text[0])  # the streamed text came first
+    assert out == r.text[0]  # stdout: the streamed text, nothing else
+    assert "TTFT" in err and "ITL p50" in err and "tok/s" in err  # the summary: stderr
+    assert f"formula {r.kv['kv_bytes_formula']:,} B" in err and "allocated" in err
 
 
 def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
@@ -38,6 +40,7 @@ def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
     a = run(cfg)
     b = run(cfg)
     assert a.tokens == b.tokens and len(a.tokens[0]) == 5
+    assert capsys.readouterr().out == a.text[0] + b.text[0]  # stream=false: the text at the end
 
 
 @pytest.mark.parametrize("override,match", [
@@ -68,15 +71,76 @@ def test_cli_reads_stdin():
                         "max_new_tokens=3", "chat_template=false"], cwd=ROOT, input="Hello from stdin",
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert "--- 3 tokens" in p.stdout
+    assert "--- 3 tokens" in p.stderr and "---" not in p.stdout
 
 
-def test_baseline_runs_on_a_tiny_model(capsys):
-    from decodelab.experiments.baseline import main
+# One deterministic greedy request, run by the CLI in a subprocess and by the library here
+PROMPT, NEW = "The quick brown fox", 8
+ARGS = ["model=tiny-llama", "model.device=cpu", f"prompt={PROMPT}", "chat_template=false", f"max_new_tokens={NEW}"]
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="baseline", overrides=["model=tiny-llama", "model.device=cpu", "repeats=1",
-                                                           "prompt_lengths=[16]", "new_tokens=4"])
-    main.__wrapped__(cfg)
-    out = capsys.readouterr().out
-    assert "decode_speedup" in out and "| 16 | 4 |" in out and "True" in out  # same tokens both sides
+
+@pytest.fixture(scope="module")
+def expected():
+    """The request decoded by the library alone (tokenizer, dense cache, greedy loop)."""
+    from decodelab.decoding import generate, greedy
+    from decodelab.experiments.common import run_conditions
+    from decodelab.models.loading import instantiate_unwrapped
+    from tests.conftest import cache_for
+
+    lm = instantiate_unwrapped(config(*ARGS).model)
+    ids = lm.tokenizer.encode(PROMPT, chat=False)
+    r = generate(lm.model, cache_for(lm.model, 1, len(ids) + NEW), greedy(), [ids], NEW,
+                 eos_ids=lm.tokenizer.eos_ids, tokenizer=lm.tokenizer)
+    assert r.finish_reasons == ["length"] and r.text[0].strip()  # no EOS: all NEW tokens, some text
+    return {"text": r.text[0], "prompt_tokens": len(ids), "conditions": run_conditions(lm.model)}
+
+
+def generate_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The console script `decodelab-generate` (installed beside this interpreter)."""
+    exe = Path(sys.executable).with_name("decodelab-generate")
+    p = subprocess.run([str(exe), *ARGS, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_cli_stdout_holds_only_the_text(expected, tmp_path):
+    p = generate_cli(cwd=tmp_path)
+    assert p.stdout == expected["text"]  # `> out.txt` keeps the reply alone
+    assert "[decodelab.generate][INFO] - model: tiny-llama" in p.stderr  # logs: stderr
+    assert f"--- {NEW} tokens, finish: length" in p.stderr and "TTFT" in p.stderr and "ITL p50" in p.stderr
+    kv = 2 * 2 * 2 * (expected["prompt_tokens"] + NEW - 1) * 16 * 4  # 2 x layers x kv_heads x tokens x dim x fp32
+    assert f"formula {kv:,} B" in p.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/ run dir, .hydra/ or generate.log
+
+
+def test_cli_json_prints_one_record(expected, tmp_path):
+    p = generate_cli("json=true", cwd=tmp_path)
+    assert p.stdout.count("\n") == 1  # one line, no streamed text before it
+    rec = json.loads(p.stdout)
+    assert rec["text"] == expected["text"] and rec["finish"] == "length"
+    assert rec["prompt_tokens"] == expected["prompt_tokens"] and rec["new_tokens"] == NEW
+    cached = expected["prompt_tokens"] + NEW - 1  # the last token is never fed back
+    assert rec["kv_tokens"] == cached
+    assert rec["kv_bytes_formula"] == 2 * 2 * 2 * cached * 16 * 4  # tiny-llama: 2 layers, 2 KV heads, dim 16, fp32
+    assert rec["kv_bytes_allocated"] == 2 * 2 * 2 * (cached + 1) * 16 * 4  # dense: capacity prompt + NEW
+    assert rec["ttft_ms"] >= rec["tokenize_ms"] + rec["prefill_ms"] > 0  # TTFT counts both and the first pick
+    assert 0 < rec["itl_p50_ms"] <= rec["itl_p95_ms"] <= rec["itl_p99_ms"]
+    # NEW - 1 gaps: p99 is the largest, so it bounds their mean, 1000 / decode tok/s
+    assert 1000 / rec["decode_tok_s"] <= rec["itl_p99_ms"] * (1 + 1e-9)
+    assert rec["stats"] == {}  # greedy keeps no decoder statistics
+    assert rec["conditions"].keys() == expected["conditions"].keys()
+    assert rec["conditions"]["device"] == "cpu" and rec["conditions"]["dtype"] == "float32"
+    assert f"--- {NEW} tokens" in p.stderr  # the human summary still goes to stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "prompt=a,b"], ["prompt=a", "--cfg", "job"], ["--cfg", "hydra", "prompt=a"], [],
+])
+def test_quiet_hydra_overrides_fit_hydras_parser(argv):
+    from hydra._internal.utils import get_args_parser
+
+    from decodelab.experiments.generate import QUIET_HYDRA, with_quiet_hydra
+
+    args = get_args_parser().parse_args(with_quiet_hydra(argv))  # one run of overrides, flags around it
+    users = [a for a in argv if "=" in a]
+    assert args.overrides == [*QUIET_HYDRA, *users]  # the user's come last: theirs win
