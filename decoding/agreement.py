@@ -27,6 +27,45 @@ def forced_logits(model, factory, prompt: list[int], ref: list[int]) -> torch.Te
 
 
 @torch.no_grad()
+def verify_forced_logits(model, factory, prompt: list[int], seq: list[int], gamma: int) -> torch.Tensor:
+    """Logits [N, V] predicting seq[0..N-1], fed as speculative verification feeds the
+    target: prefill, then steps of the last kept token + gamma drafts (here the
+    sequence's own next tokens), of which k = gamma, gamma-1, ..., 0 (cycling) are kept
+    and the cache rolls the rest back, as after a rejection. The drafter cannot change
+    these logits, only which tokens are verified."""
+    cache = make_cache(model, 1, len(prompt) + len(seq) + gamma + 1, factory)
+    out = [prefill(model, cache, [prompt])[0]]  # predicts seq[0]
+    n, step = 0, 0  # seq[:n] is in the cache
+    while len(out) < len(seq):
+        feed = seq[n: n + gamma + 1]  # seq[n] is the token the last step produced
+        L = int(cache.lengths[0])
+        pos = torch.arange(L, L + len(feed), device=model.device)[None]  # [1, F]
+        logits = model(torch.tensor([feed], device=model.device), pos, cache)[0]  # [F, V]: row i predicts seq[n+i+1]
+        k = min(gamma - step % (gamma + 1), len(feed) - 1)  # drafts kept
+        out.extend(logits[: k + 1])
+        cache.truncate(torch.tensor([L + k + 1]))  # roll back the rejected drafts
+        n, step = n + k + 1, step + 1
+    return torch.stack(out[: len(seq)]).float()
+
+
+def setup_logits(model, factory, decoder, prompt: list[int], seq: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [N, V] through a setup's cache, fed as its decoder feeds it
+    (a decoder that verifies ahead: gamma + 1 tokens per step with rollbacks)."""
+    gamma = decoder.lookahead - 1 if decoder.lookahead else 0
+    if gamma:
+        return verify_forced_logits(model, factory, prompt, seq, gamma)
+    return forced_logits(model, factory, prompt, seq)
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """First position where two token lists differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.no_grad()
 def dense_logits(model, prompt: list[int], ref: list[int]) -> torch.Tensor:
     """The dense reference in one pass: logits [N, V] at positions len(prompt)-1 ... ."""
     from decodelab.cache.dense import DenseCache

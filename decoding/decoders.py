@@ -1,6 +1,8 @@
 """Decoders: given the last token of each row, produce the next tokens.
 
-A decoder has `problems(model, cache)` (checked when a setup is built), `begin(device)`
+A decoder declares what it is as class attributes: `needs_drafter`, `lookahead`
+(positions it writes past the output) and `lossless_at_temperature_0`. It has
+`problems(model, cache)` (checked when a setup is built), `begin(device)`
 (seeds its generator; called once per generation), `start(logits)` (the first token
 from the prefill logits) and `step(model, cache, last) -> list[list[int]]` (tokens
 produced per row; plain decoding produces one, speculative decoding may produce more).
@@ -16,6 +18,10 @@ from decodelab.models.errors import raise_if
 
 class SamplingDecoder:
     """Plain autoregressive decoding; temperature 0 is greedy."""
+
+    #: what this decoder is, read by setup, bench and report (never its class name):
+    needs_drafter = False  # built with a `drafter=` (the `draft` config group)
+    lossless_at_temperature_0 = True  # greedy output is the target's own greedy output
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int = 0):

@@ -179,6 +179,9 @@ def quantized_self(target, weights: str = "int8", cache=DenseCache) -> ModelDraf
     return ModelDrafter(quantize_weights(target.model, weights), cache, name=f"self-{weights}")
 
 
+quantized_self.quantizes_target = True  # declared: setup refuses it for a target quantized already
+
+
 def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=None) -> PromptLookupDrafter:
     return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
 

@@ -64,7 +64,6 @@ def percentile(sorted_s: list[float], q: float) -> float | None:
     return 1000 * sorted_s[i]
 
 
-_pct = percentile  # the old private name, kept for callers not yet switched to `percentile`; to be removed
 
 
 def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), tokenizer=None) -> None:

@@ -137,6 +137,9 @@ class SpeculativeDecoder:
     all gamma tokens, gamma grows by 1; when the rows accepted under half of them on
     average, it shrinks by 1; always within [gamma_min, gamma_max]."""
 
+    needs_drafter = True  # the `draft` config group builds it
+    lossless_at_temperature_0 = True  # greedy verification keeps the target's argmax
+
     def __init__(self, drafter, gamma: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int = 0, adaptive: bool = False, gamma_min: int = 1,
                  gamma_max: int | None = None):

@@ -1,6 +1,6 @@
 """The agreement matrix: every named setup (conf/setup/) against a reference, per prompt.
 
-    python -m decodelab.experiments.agree [setups=[dense,paged,int4]] [reference=dense|transformers]
+    decodelab-agree [setups=[dense,paged,int4]] [reference=dense|transformers]
         [model=smollm2-135m] [workload=jsonl workload.path=prompts.jsonl]
         [forced_tokens=64] [free_tokens=32] [agreement.max_kl=0.01] [draft.layers=4]
 
@@ -14,7 +14,8 @@ difference|, mean KL(reference || setup) and top-1 agreement. Then each setup de
 the reference's greedy output (not judged for a sampling decoder).
 
 Thresholds come from each setup's `agreement:` block (null: not judged). The matrix is
-printed and written as agree.json and agree.md into the Hydra run directory. Exit 0:
+printed and written as results.jsonl (`experiments.report` reads it) and agree.md into
+the Hydra run directory. Exit 0:
 every setup within its thresholds; 1: some setup exceeds one; 2: a bad config or
 option, with every reason, before any weights load (an unknown group option or key too).
 An option of a group that agree's own defaults lack (paged's block_size, speculative's
@@ -23,10 +24,8 @@ gamma) is given as ++cache.block_size=8: it reaches every setup that has it.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -36,13 +35,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.dense import DenseCache
-from decodelab.decoding.agreement import compare, dense_logits, forced_logits, hf_logits
+from decodelab.decoding.agreement import compare, dense_logits, first_diff, hf_logits, setup_logits
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate
-from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
-from decodelab.experiments import setup
-from decodelab.experiments.common import git_rev, run_conditions
+from decodelab.experiments import harness
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -165,7 +162,7 @@ def _setup_problems(name: str, groups: list[str], values: list) -> tuple[DictCon
         return None, [f"setup {name}: {type(e).__name__}: {e}".replace("\n", " ")]
     p = threshold_problems(scfg.get("agreement"))
     try:
-        setup.check(scfg)
+        harness.check(scfg)
     except SetupError as e:
         p += e.reasons
     return scfg, [f"setup {name}: {r}" for r in p]
@@ -199,7 +196,7 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
     built, reasons = {}, []
     for name, scfg in composed.items():
         try:
-            built[name] = setup.build(scfg, lm)
+            built[name] = harness.build(scfg, lm)
         except SetupError as e:
             reasons += [f"setup {name}: {r}" for r in e.reasons]
     raise_if(reasons)
@@ -238,9 +235,7 @@ def free_run(model, factory, decoder, prompt: list[int], n: int) -> tuple[list[i
 def reference_fns(kind: str, lm):
     """(logits(prompt, seq) -> [N, V], greedy(prompt, n) -> ids) of the reference."""
     if kind == "transformers":
-        from decodelab.experiments.baseline import hf_model_for
-
-        hf = hf_model_for(lm)
+        hf = harness.hf_model_for(lm)
         return partial(hf_logits, hf), partial(hf_greedy, hf)
     return partial(dense_logits, lm.model), lambda p, n: free_run(lm.model, DenseCache, greedy(), p, n)[0]
 
@@ -257,44 +252,6 @@ def reply_ids(req, lm, n: int) -> list[int]:
 
 
 # -- one setup on one sequence ------------------------------------------------------------
-@torch.no_grad()
-def verify_forced_logits(model, factory, prompt: list[int], seq: list[int], gamma: int) -> torch.Tensor:
-    """Logits [N, V] predicting seq[0..N-1], fed as speculative verification feeds the
-    target: prefill, then steps of the last kept token + gamma drafts (here the
-    sequence's own next tokens), of which k = gamma, gamma-1, ..., 0 (cycling) are kept
-    and the cache rolls the rest back, as after a rejection. The drafter cannot change
-    these logits, only which tokens are verified."""
-    cache = make_cache(model, 1, len(prompt) + len(seq) + gamma + 1, factory)
-    out = [prefill(model, cache, [prompt])[0]]  # predicts seq[0]
-    n, step = 0, 0  # seq[:n] is in the cache
-    while len(out) < len(seq):
-        feed = seq[n: n + gamma + 1]  # seq[n] is the token the last step produced
-        L = int(cache.lengths[0])
-        pos = torch.arange(L, L + len(feed), device=model.device)[None]  # [1, F]
-        logits = model(torch.tensor([feed], device=model.device), pos, cache)[0]  # [F, V]: row i predicts seq[n+i+1]
-        k = min(gamma - step % (gamma + 1), len(feed) - 1)  # drafts kept
-        out.extend(logits[: k + 1])
-        cache.truncate(torch.tensor([L + k + 1]))  # roll back the rejected drafts
-        n, step = n + k + 1, step + 1
-    return torch.stack(out[: len(seq)]).float()
-
-
-def setup_logits(model, factory, decoder, prompt: list[int], seq: list[int]) -> torch.Tensor:
-    """Teacher-forced logits [N, V] through the setup's cache, fed as its decoder feeds it."""
-    gamma = getattr(decoder, "gamma_max", 0)  # speculative decoders verify gamma + 1 at a time
-    if gamma:
-        return verify_forced_logits(model, factory, prompt, seq, gamma)
-    return forced_logits(model, factory, prompt, seq)
-
-
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    """First position where two token lists differ (None: identical)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def measure(model, built: tuple, prompt: list[int], seq: list[int], ref_logits, ref_free: list[int]) -> dict:
     """One setup on one prompt: teacher-forced agreement and the free-running first diff."""
     factory, decoder = built
@@ -364,22 +321,25 @@ def markdown(rows: list[dict]) -> str:
         for r in rows)
 
 
-def write_atomic(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+def records(header: dict, rows: list[dict], per_prompt: dict, run_id: str) -> list[dict]:
+    """The results schema: per setup its prompt lines and one summary (a matrix row)."""
+    out = []
+    for r in rows:
+        run = f"agree-{run_id}-{r['setup']}"
+        out += [{"kind": "prompt", "run": run, **p} for p in per_prompt[r["setup"]]]
+        setup = {"name": r["setup"], "model": header["model"], "reference": header["reference"],
+                 "workload": header["workload"], "cache": r["cache"].get("_target_"), "decoder": r["decoder"]}
+        metrics = {k: v for k, v in r.items() if k not in ("setup", "cache", "decoder")}
+        out.append(harness.summary("agree", run, setup, metrics, header["conditions"], header["config"]))
+    return out
 
 
 def write_outputs(out_dir: Path, header: dict, rows: list[dict], per_prompt: dict) -> list[Path]:
-    """agree.json (everything, per prompt too) and agree.md (the matrix) in `out_dir`."""
+    """results.jsonl (every setup, per prompt too) and agree.md (the matrix) in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for r in rows:
-        r["per_prompt"] = per_prompt[r["setup"]]
-    doc = {**header, "passed": all(r["passed"] for r in rows), "rows": rows}
     md = f"# Agreement matrix\n\n{_header_line(header)}\n\n{markdown(rows)}"
-    return [write_atomic(out_dir / "agree.json", json.dumps(doc, indent=1, default=str)),
-            write_atomic(out_dir / "agree.md", md)]
+    (out_dir / "agree.md").write_text(md)
+    return [harness.write_jsonl(out_dir / harness.RESULTS, records(header, rows, per_prompt, out_dir.name)), out_dir / "agree.md"]
 
 
 def _header_line(h: dict) -> str:
@@ -415,9 +375,7 @@ def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None
     (0 all within thresholds, 1 some setup exceeds one, 2 a bad config)."""
     try:
         composed = check_all(cfg, overrides)  # before any weights load
-        if cfg.get("threads"):
-            torch.set_num_threads(int(cfg.threads))
-        lm = instantiate_unwrapped(cfg.model)
+        lm = harness.load_model(cfg)
         built = build_all(composed, lm)
         rows, per_prompt = run_matrix(cfg, composed, lm, built)
     except SetupError as e:
@@ -425,7 +383,7 @@ def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None
         return 2
     header = {"model": lm.name, "reference": cfg.reference, "workload": cfg.workload._target_.rsplit(".", 1)[-1],
               "prompts": rows[0]["prompts"], "forced_tokens": cfg.forced_tokens, "free_tokens": cfg.free_tokens,
-              "conditions": run_conditions(lm.model), "config": OmegaConf.to_container(cfg)}
+              "conditions": harness.run_conditions(lm.model), "config": OmegaConf.to_container(cfg)}
     print(_header_line(header))
     print(markdown(rows), end="")
     for r in rows:
@@ -441,7 +399,6 @@ def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    git_rev()  # the code this run starts with
     hc = HydraConfig.get()
     code = run(cfg, list(hc.overrides.task), hc.runtime.output_dir)
     if code:

@@ -1,23 +1,26 @@
 """Benchmark one setup on a workload; write `results.jsonl` into the Hydra run directory.
 
-    python -m decodelab.experiments.bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup]
+    decodelab-bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup]
         [workload=sharegpt workload.n=8 | workload=synthetic workload.lengths=[128,1024]
          | workload=jsonl workload.path=prompts.jsonl] [max_new_tokens=64] [batch_size=1]
-    python -m decodelab.experiments.bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
-    python -m decodelab.experiments.bench -m experiment=compare          # README's main job
+    decodelab-bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
+    decodelab-bench -m experiment=compare        # README's main job; presets in conf/experiment/
 
 Metrics, as serving engineers measure them: TTFT split into tokenize / prefill / first
 sampling, ITL p50/p95/p99 over every generated token, prompt and decode tokens/s, KV
 bytes by formula and allocated, peak memory (RSS; CUDA where present), the speculative
 statistics, and (`agree_with_dense`) top-1 / KL / first difference of this setup's
-logits against the dense cache, teacher-forced over the tokens it generated.
+logits against the dense cache, teacher-forced over the tokens it generated, fed as its
+decoder feeds its cache (decoding.agreement, the same measurement `experiments.agree`
+makes). Side by side in the same run, prompt by prompt: `compare_greedy` (a decoder
+with a drafter also decodes greedily: measured speedup, token identity, Leviathan's
+prediction and the efficiency) and `compare_transformers` (transformers' `generate()`
+on the same token ids: TTFT, decode tok/s, token identity).
 
-Nothing is lost: the results file is written atomically when the run finishes, so an
-interrupted run leaves no half file and every finished run intact. A sweep's
-directories are stable (outputs/sweeps/<name>/<overrides>): rerunning the same sweep
-finds each finished run (same hash of the resolved config) and skips it, unless
-`redo=true`. At the end of a multirun the sweep's report (CSV, Markdown, plots) is
-written and its table printed.
+Nothing is lost: the results file is written atomically when the run finishes. A
+sweep's directories are stable (outputs/sweeps/<name>/<overrides>): rerunning the same
+sweep skips each finished run (same hash of the resolved config) unless `redo=true`. A
+multirun ends with the sweep's report (CSV, Markdown, plots) and its table.
 """
 
 from __future__ import annotations
@@ -25,12 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import resource
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
@@ -39,19 +40,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from decodelab.decoding.agreement import compare, dense_logits, forced_logits
+from decodelab.decoding.agreement import compare, dense_logits, first_diff, setup_logits
 from decodelab.decoding.decoders import greedy
-from decodelab.decoding.generate import _pct, generate
-from decodelab.decoding.speculative import SpeculativeDecoder, predicted_speedups
+from decodelab.decoding.generate import generate, percentile
+from decodelab.decoding.speculative import predicted_speedups
 from decodelab.decoding.text import make_cache
-from decodelab.experiments import setup
+from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
-from decodelab.experiments.common import git_rev, run_conditions
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.bench")
-RESULTS = "results.jsonl"
+RESULTS = harness.RESULTS
 NOT_HASHED = ("hydra", "redo", "progress", "name")  # change nothing that is measured
 
 
@@ -65,8 +65,10 @@ def check(cfg: DictConfig):
             reasons.append(f"{key} must be an integer >= {lo}, got {cfg[key]!r}")
     if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
         reasons.append(f"threads must be null or an integer >= 1, got {cfg.threads!r}")
+    if cfg.compare_transformers and cfg.batch_size != 1:
+        reasons.append("compare_transformers times transformers' generate() one prompt at a time: use batch_size=1")
     workload = None
-    for fn in (lambda: setup.check(cfg), lambda: instantiate_unwrapped(cfg.workload)):
+    for fn in (lambda: harness.check(cfg), lambda: instantiate_unwrapped(cfg.workload)):
         try:
             workload = fn() or workload
         except SetupError as e:
@@ -90,12 +92,13 @@ def choices() -> dict:
 
 
 def describe(cfg: DictConfig) -> dict:
-    """The setup's names as tables show them."""
+    """The setup's names as tables show them, and what its decoder declares."""
     ch = choices()
-    spec = "speculative" in str(cfg.decoder.get("_target_", ""))
+    spec = harness.declared(cfg.decoder, "needs_drafter")
     cache, decoder = ch.get("cache", cfg.cache._target_), ch.get("decoder", cfg.decoder._target_)
     return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{ch.get('draft')}" if spec else ""),
-            "model": cfg.model.get("name") or ch.get("model"), "cache": cache, "decoder": decoder,
+            "model": cfg.model.get("name") or ch.get("model"), "weights": cfg.model.get("weights", "none"),
+            "cache": cache, "decoder": decoder, "needs_drafter": spec,
             "draft": ch.get("draft") if spec else None, "gamma": cfg.decoder.get("gamma") if spec else None,
             "workload": ch.get("workload"), "experiment": ch.get("experiment")}
 
@@ -111,55 +114,57 @@ def finished_run(out: Path, run_hash: str) -> dict | None:
 
 
 # -- measuring --------------------------------------------------------------------------
-def measure_batch(lm, factory, decoder, reqs, cfg) -> list[dict]:
+def measure_batch(lm, factory, decoder, reqs, cfg, hf=None) -> list[dict]:
     """Generate for one batch of requests; one record per request."""
     tok = lm.tokenizer if any(r.ids is None for r in reqs) else None
     t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
     ids = [r.encode(tok) for r in reqs]
     tokenize_s = time.perf_counter() - t0
     cache = make_cache(lm.model, len(ids), max(map(len, ids)) + cfg.max_new_tokens + decoder.lookahead, factory)
-    res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=_eos(lm), t_start=t0,
-                   tokenize_s=tokenize_s)
-    recs = [prompt_record(res, b, r.id, ids[b], factory, lm, cfg) for b, r in enumerate(reqs)]
-    if cfg.compare_greedy and isinstance(decoder, SpeculativeDecoder):
-        plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=_eos(lm))
+    eos = () if cfg.ignore_eos else _eos(lm)
+    res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=eos, t_start=t0, tokenize_s=tokenize_s)
+    recs = [prompt_record(res, b, r.id, ids[b], factory, decoder, lm, cfg) for b, r in enumerate(reqs)]
+    if cfg.compare_greedy and decoder.needs_drafter:
+        plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=eos)
         for b, rec in enumerate(recs):
             rec["greedy"] = {"decode_s": _decode_s(plain.token_times[b]), "new_tokens": len(plain.tokens[b]),
-                             "identical": plain.tokens[b] == res.tokens[b]}
-            rec["decode_s"] = _decode_s(res.token_times[b])
+                             "identical": first_diff(plain.tokens[b], res.tokens[b]) is None}
             rec["spec_stats"] = res.stats  # row statistics for the side-by-side prediction
+    if hf is not None:
+        recs[0]["transformers"] = hf_generate(hf, ids[0], cfg.max_new_tokens, eos, res.tokens[0])
     return recs
 
 
 def _decode_s(times: list[float]) -> float:
     """First to last generated token (the decode phase)."""
-    return times[-1] - times[0] if times else 0.0
+    return times[-1] - times[0] if len(times) > 1 else 0.0
 
 
 def _eos(lm) -> tuple[int, ...]:
     try:
         return lm.tokenizer.eos_ids
-    except Exception:  # a random model without a tokenizer
+    except SetupError:  # a random model without a tokenizer
         return tuple(lm.cfg.eos_ids or ())
 
 
-def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, lm, cfg) -> dict:
+def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, decoder, lm, cfg) -> dict:
     """Timings, memory, speculative statistics and agreement of row `b`."""
     times, n = res.token_times[b], res.prompt_lengths[b]
     itl = [y - x for x, y in zip(times, times[1:])]
-    ttft = times[0]
-    dec_s = times[-1] - times[0] if len(times) > 1 else 0.0
+    dec_s = _decode_s(times)
     rec = {"kind": "prompt", "prompt_id": prompt_id, "prompt_tokens": n, "new_tokens": len(res.tokens[b]),
            "finish": res.finish_reasons[b], "tokenize_ms": 1e3 * res.tokenize_s, "prefill_ms": 1e3 * res.prefill_s,
-           "first_sample_ms": 1e3 * (ttft - res.tokenize_s - res.prefill_s), "ttft_ms": 1e3 * ttft,
+           "first_sample_ms": 1e3 * (times[0] - res.tokenize_s - res.prefill_s), "ttft_ms": 1e3 * times[0],
            "itl_ms": [1e3 * x for x in itl], "context": [n + i for i in range(len(itl))],
-           **{f"itl_p{q}_ms": _pct(sorted(itl), q) for q in (50, 95, 99)},
-           "decode_tok_s": len(itl) / dec_s if dec_s > 0 else None,
+           **{f"itl_p{q}_ms": percentile(sorted(itl), q) for q in (50, 95, 99)},
+           "decode_s": dec_s, "decode_tok_s": len(itl) / dec_s if dec_s > 0 else None,
            "prompt_tok_s": n / res.prefill_s if res.prefill_s > 0 else None,
            "kv_bytes_formula": res.kv["kv_bytes_formula"], "kv_bytes_allocated": res.kv["kv_bytes_allocated"],
            "spec": _spec(res.stats), "agreement": None}
     if cfg.agree_with_dense and res.tokens[b]:
-        rec["agreement"] = agreement_with_dense(lm.model, factory, prompt_ids, res.tokens[b])
+        gen = res.tokens[b]
+        rec["agreement"] = compare(dense_logits(lm.model, prompt_ids, gen),
+                                   setup_logits(lm.model, factory, decoder, prompt_ids, gen), gen)
     return rec
 
 
@@ -173,24 +178,50 @@ def _spec(stats: dict) -> dict | None:
             "time_verify_s": stats["time_verify_s"], "time_overhead_s": stats["time_overhead_s"]}
 
 
-def agreement_with_dense(model, factory, prompt_ids: list[int], gen: list[int]) -> dict:
-    """This cache's logits vs the dense cache's over the row's own generated tokens
-    (teacher-forced); first_diff: where the output leaves dense greedy's argmax."""
-    return compare(dense_logits(model, prompt_ids, gen), forced_logits(model, factory, prompt_ids, gen), gen)
+# -- transformers' generate(), side by side ---------------------------------------------------
+class _TimingStreamer:
+    """transformers streamer that stamps each generated token (put() first gets the prompt)."""
+
+    def __init__(self, t0: float):
+        self.t0, self.times, self.calls = t0, [], 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.times.append(time.perf_counter() - self.t0)
+
+    def end(self) -> None:
+        pass
 
 
+def hf_generate(hf, ids: list[int], new_tokens: int, eos: tuple, ours: list[int]) -> dict:
+    """transformers' greedy `generate()` on the same ids (EOS ignored when ours ignores
+    it): TTFT, decode time and tokens, and whether its tokens equal ours."""
+    x = torch.tensor([ids], device=hf.device)
+    stream = _TimingStreamer(time.perf_counter())
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                          min_new_tokens=1 if eos else new_tokens, streamer=stream, pad_token_id=0,
+                          eos_token_id=list(eos) or None)
+    harness.sync(hf.device)
+    tokens = out[0, len(ids):].tolist()
+    return {"ttft_ms": 1e3 * stream.times[0], "decode_s": _decode_s(stream.times), "new_tokens": len(tokens),
+            "identical": first_diff(tokens, ours) is None}
+
+
+# -- the summary ------------------------------------------------------------------------------
 def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
     """The run's summary line: medians / pooled percentiles / totals over its prompts."""
     itl = sorted(x / 1e3 for r in recs for x in r["itl_ms"])
     dec_tokens = sum(len(r["itl_ms"]) for r in recs)
-    dec_s = sum(sum(r["itl_ms"]) for r in recs) / 1e3
+    dec_s = sum(r["decode_s"] for r in recs)
     pre_s = sum(r["prefill_ms"] for r in recs) / 1e3
     spec = [r["spec"] for r in recs if r["spec"]]
     agree = [r["agreement"] for r in recs if r["agreement"]]
     mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
     metrics = {
         "ttft_ms": statistics.median(r["ttft_ms"] for r in recs),
-        **{f"itl_p{q}_ms": _pct(itl, q) for q in (50, 95, 99)},
+        **{f"itl_p{q}_ms": percentile(itl, q) for q in (50, 95, 99)},
         "decode_tok_s": dec_tokens / dec_s if dec_s else None,
         "prompt_tok_s": sum(r["prompt_tokens"] for r in recs) / pre_s if pre_s else None,
         "kv_mib": max(r["kv_bytes_allocated"] for r in recs) / 2**20,
@@ -202,33 +233,43 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
         "agree_top1": mean([a["top1"] for a in agree]), "agree_kl": mean([a["kl"] for a in agree]),
         "agree_max_abs_dlogit": max((a["max_abs_dlogit"] for a in agree), default=None),
         "prompts": len(recs), "new_tokens": sum(r["new_tokens"] for r in recs),
+        **vs_greedy([r for r in recs if r.get("greedy")]),
+        **vs_transformers([r for r in recs if r.get("transformers")], dec_s),
     }
-    plain = [r for r in recs if r.get("greedy")]
-    if plain:  # measured side by side, prompt by prompt, in this run
-        spec_s = sum(r["decode_s"] for r in plain)
-        metrics["speedup_vs_greedy"] = sum(r["greedy"]["decode_s"] for r in plain) / spec_s if spec_s else None
-        metrics["greedy_identical"] = sum(r["greedy"]["identical"] for r in plain) / len(plain)
-        steps = sum(r["greedy"]["new_tokens"] - 1 for r in plain)
-        if metrics["speedup_vs_greedy"] and steps:
-            step_s = sum(r["greedy"]["decode_s"] for r in plain) / steps
-            pred = predicted_speedups([r["spec_stats"] for r in plain], step_s)
-            metrics.update({k: pred[k] for k in ("c_draft", "c_verify", "predicted_leviathan", "predicted_this_hw")})
-            metrics["efficiency"] = metrics["speedup_vs_greedy"] / pred["predicted_this_hw"]
-    cond = {**run_conditions(lm.model), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
-    return {"kind": "summary", "run": run_hash, "finished": datetime.now(timezone.utc).isoformat(),
-            "setup": describe(cfg), "metrics": metrics, "conditions": cond,
-            "config": OmegaConf.to_container(cfg, resolve=True)}
+    cond = {**harness.run_conditions(lm.model), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
+    return harness.summary("bench", run_hash, describe(cfg), metrics, cond, cfg)
 
 
-def write_atomic(path: Path, lines: list[dict]) -> None:
-    """All lines or nothing: a temporary file renamed over `path`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        for rec in lines:
-            fh.write(json.dumps(rec) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def vs_greedy(recs: list[dict]) -> dict:
+    """Speedup over greedy decoded side by side, token identity, and Leviathan's
+    prediction from this run's costs (c_draft, c_verify in plain decode steps)."""
+    if not recs:
+        return {}
+    spec_s, plain_s = sum(r["decode_s"] for r in recs), sum(r["greedy"]["decode_s"] for r in recs)
+    m = {"speedup_vs_greedy": plain_s / spec_s if spec_s else None,
+         "greedy_identical": sum(r["greedy"]["identical"] for r in recs) / len(recs)}
+    steps = sum(r["greedy"]["new_tokens"] - 1 for r in recs)
+    if m["speedup_vs_greedy"] and steps:
+        pred = predicted_speedups([r["spec_stats"] for r in recs], plain_s / steps)
+        m.update({k: pred[k] for k in ("c_draft", "c_verify", "predicted_leviathan", "predicted_this_hw")})
+        m["efficiency"] = m["speedup_vs_greedy"] / pred["predicted_this_hw"]
+    return m
+
+
+def vs_transformers(recs: list[dict], dec_s: float) -> dict:
+    """transformers' `generate()` on the same prompts: its TTFT and decode tok/s, ours over it."""
+    if not recs:
+        return {}
+    hf = [r["transformers"] for r in recs]
+    hf_s, hf_tokens = sum(h["decode_s"] for h in hf), sum(h["new_tokens"] - 1 for h in hf)
+    ours_s, ours_tokens = sum(r["decode_s"] for r in recs), sum(r["new_tokens"] - 1 for r in recs)
+    m = {"hf_ttft_ms": statistics.median(h["ttft_ms"] for h in hf),
+         "hf_decode_tok_s": hf_tokens / hf_s if hf_s else None,
+         "same_tokens_as_hf": sum(h["identical"] for h in hf) / len(hf)}
+    if m["hf_decode_tok_s"] and ours_s:
+        m["decode_speedup_vs_hf"] = ours_tokens / ours_s / m["hf_decode_tok_s"]
+    m["ttft_ours_over_hf"] = statistics.median(r["ttft_ms"] for r in recs) / m["hf_ttft_ms"]
+    return m
 
 
 def batches(items: list, size: int) -> list[list]:
@@ -244,11 +285,9 @@ def run(cfg: DictConfig, out: Path) -> dict:
         log.info("already done (run %s, finished %s): %s; redo=true reruns it", run_hash, done["finished"],
                  out / RESULTS)
         return done
-    git_rev()  # the code this run starts with
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    lm = instantiate_unwrapped(cfg.model)
-    factory, decoder = setup.build(cfg, lm)
+    lm = harness.load_model(cfg)
+    factory, decoder = harness.build(cfg, lm)
+    hf = harness.hf_model_for(lm) if cfg.compare_transformers else None
     reqs = workload(lm)
     log.info("run %s: %s on %d prompts (%s) -> %s", run_hash, describe(cfg)["name"], len(reqs),
              choices().get("workload"), out)
@@ -257,12 +296,11 @@ def run(cfg: DictConfig, out: Path) -> dict:
         generate(lm.model, make_cache(lm.model, 1, 16 + 4 + decoder.lookahead, factory), decoder, [warm], 4)
     recs = []
     for group in _progress(batches(reqs, cfg.batch_size), cfg.progress):
-        recs += measure_batch(lm, factory, decoder, group, cfg)
+        recs += measure_batch(lm, factory, decoder, group, cfg, hf)
     for r in recs:
         r["run"] = run_hash
     summary = summarize(recs, cfg, run_hash, lm)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / RESULTS, recs + [summary])
+    harness.write_jsonl(out / RESULTS, recs + [summary])
     log.info("wrote %s: %s", out / RESULTS, {k: v for k, v in summary["metrics"].items() if v is not None})
     return summary
 
@@ -279,7 +317,7 @@ class ReportCallback(Callback):
     """At the end of a multirun: the sweep's report (CSV, Markdown, plots) and its table."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from decodelab.experiments.report import NoRunsError, load_runs, markdown_table, table_rows, write_report
+        from decodelab.experiments.report import NoRunsError, write_report
 
         root = Path(config.hydra.sweep.dir)
         try:
@@ -287,14 +325,14 @@ class ReportCallback(Callback):
         except NoRunsError as e:
             log.warning("no report: %s", e)
             return
-        print(markdown_table(table_rows(load_runs(root), root)))
-        print(f"\nresults: {root}/**/{RESULTS}\nreport: " + ", ".join(str(p) for p in paths.values()))
+        print(paths["md"].read_text())
+        print(f"results: {root}/**/{RESULTS}\nreport: " + ", ".join(str(p) for p in paths.values()))
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run(cfg, harness.output_dir())
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

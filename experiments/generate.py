@@ -24,11 +24,10 @@ from omegaconf import DictConfig
 
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
-from decodelab.experiments import setup
+from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
-from decodelab.experiments.common import run_conditions
 from decodelab.models.errors import SetupError
-from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.models.loading import CONF_DIR
 
 log = logging.getLogger("decodelab.generate")
 
@@ -104,7 +103,7 @@ def record(result, conditions: dict) -> dict:
 def check_all(cfg: DictConfig, text: str) -> None:
     """The request and the setup, every problem raised together, before weights load."""
     reasons = []
-    for check in (lambda: check_request(cfg, text), lambda: setup.check(cfg)):
+    for check in (lambda: check_request(cfg, text), lambda: harness.check(cfg)):
         try:
             check()
         except SetupError as e:
@@ -116,9 +115,9 @@ def check_all(cfg: DictConfig, text: str) -> None:
 def run(cfg: DictConfig):
     text = read_prompt(cfg)
     check_all(cfg, text)  # before any weights load
-    lm = instantiate_unwrapped(cfg.model)
+    lm = harness.load_model(cfg)
     log.info("model: %s (%s, %s)", lm.name, lm.model.dtype, lm.model.device)
-    factory, decoder = setup.build(cfg, lm)
+    factory, decoder = harness.build(cfg, lm)
     tok = lm.tokenizer
     t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
     ids = tok.encode(text, chat=cfg.chat_template, system=cfg.system)
@@ -129,7 +128,7 @@ def run(cfg: DictConfig):
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
                       stop=tuple(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
                       t_start=t0, tokenize_s=tokenize_s)
-    emit(cfg, result, run_conditions(lm.model), streamed=stream is not None)
+    emit(cfg, result, harness.run_conditions(lm.model), streamed=stream is not None)
     return result
 
 
@@ -169,7 +168,7 @@ def with_quiet_hydra(argv: list[str]) -> list[str]:
 def cli() -> None:
     """Console entry (`decodelab-generate`, `python -m`): every bad config-group option
     reported with the other problems; then Hydra, its logs on stderr (QUIET_HYDRA)."""
-    precheck(sys.argv[1:], "config", setup.check)
+    precheck(sys.argv[1:], "config", harness.check)
     sys.argv[1:] = with_quiet_hydra(sys.argv[1:])
     main()
 

@@ -1,13 +1,16 @@
-"""Report: turn a run or multirun directory of `results.jsonl` files into a CSV, a
-Markdown table and PNG plots.
+"""Report: turn a directory of `results.jsonl` files, from any entry point, into a CSV,
+Markdown tables and PNG plots.
 
-    python -m decodelab.experiments.report DIR [--out OUTDIR]
+    decodelab-report DIR [out=OUTDIR]      # or dir=DIR
 
-Every run directory (at any depth under DIR) holds one `results.jsonl` written by
-`experiments.bench`: one `{"kind": "prompt", ...}` line per prompt, then one
-`{"kind": "summary", ...}` line. A file without a summary is an unfinished run and is
-skipped with a warning. A run hash seen more than once (a sweep rerun with redo) keeps
-its newest `finished` record, so the report holds every run exactly once.
+Every `results.jsonl` under DIR (any depth) is in the harness's one schema
+(experiments/harness.py): `{"kind": "prompt", "run": ID, ...}` lines and one
+`{"kind": "summary", "entry": ..., "run": ID, ...}` line per table row. A file without a
+summary is an unfinished run and a line that is not a JSON object is skipped, each with
+a warning. A run ID seen more than once (a sweep rerun with redo) keeps its newest
+`finished` record, so the report holds every run exactly once. Each entry point gets its
+table (bench: the comparison columns; agree, micro, gpu_check: their metrics); the
+plots are of bench's generations.
 
 Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch); a
 plot with no data is skipped with a logged message.
@@ -15,7 +18,6 @@ plot with no data is skipped with a logged message.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
@@ -23,10 +25,14 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import hydra
+
+from decodelab.models.loading import CONF_DIR
+
 log = logging.getLogger("decodelab.report")
 
-RESULTS = "results.jsonl"
-SETUP_FIELDS = ("name", "model", "cache", "decoder", "draft", "gamma", "workload", "experiment")
+RESULTS = "results.jsonl"  # experiments.harness.RESULTS (not imported: report needs no torch)
+SETUP_FIELDS = ("name", "model", "cache", "decoder", "needs_drafter", "draft", "gamma", "workload", "experiment")
 METRIC_FIELDS = ("ttft_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "decode_tok_s", "prompt_tok_s",
                  "kv_mib", "kv_mib_formula", "peak_rss_mib", "peak_cuda_mib", "acceptance_rate",
                  "mean_accepted", "alpha", "predicted_speedup", "agree_top1", "agree_kl",
@@ -50,28 +56,33 @@ def find_results(root: str | Path) -> list[Path]:
     return sorted(Path(root).rglob(RESULTS))
 
 
-def read_results(path: str | Path) -> dict | None:
-    """The summary record of one `results.jsonl` with its prompt rows attached as
-    `prompts` and the file as `path`; None (with a warning) when the file has no summary
-    line or a line that is not JSON."""
+def read_results(path: str | Path) -> list[dict]:
+    """The summary records of one `results.jsonl`, each with its prompt lines (same
+    `run`) attached as `prompts` and the file as `path`; a line that is not a JSON object
+    is skipped with a warning, and a file without a summary (an unfinished run) gives []."""
     path = Path(path)
-    summary, prompts = None, []
+    summaries, prompts = [], {}
     try:
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if rec.get("kind") == "summary":
-                summary = rec
-            elif rec.get("kind") == "prompt":
-                prompts.append(rec)
-    except (OSError, ValueError) as e:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
         log.warning("%s: unreadable (%s); skipped", path, e)
-        return None
-    if summary is None:
+        return []
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):
+            if line.strip():
+                log.warning("%s:%d: not a JSON object; line skipped", path, i)
+            continue
+        if rec.get("kind") == "summary":
+            summaries.append(rec)
+        elif rec.get("kind") == "prompt":
+            prompts.setdefault(rec.get("run"), []).append(rec)
+    if not summaries:
         log.warning("%s: no summary line (the run did not finish); skipped", path)
-        return None
-    return {**summary, "prompts": prompts, "path": path}
+    return [{**s, "prompts": prompts.get(s.get("run"), []), "path": path} for s in summaries]
 
 
 def finished_at(run: dict) -> datetime:
@@ -101,16 +112,15 @@ def dedupe(runs: list[dict]) -> list[dict]:
 def load_runs(root: str | Path) -> list[dict]:
     """The finished runs under `root`: summary records with `prompts` (their prompt rows)
     and `path` attached, one per run hash (the newest `finished`), in path order."""
-    runs = [r for p in find_results(root) if (r := read_results(p)) is not None]
+    runs = [r for p in find_results(root) for r in read_results(p)]
     return sorted(dedupe(runs), key=lambda r: str(r["path"]))
 
 
 # ---------------------------------------------------------------- the table
 
 def is_speculative(setup: dict) -> bool:
-    """A speculative setup: it has a drafter or a gamma, or its decoder says so."""
-    return setup.get("draft") is not None or setup.get("gamma") is not None \
-        or "speculative" in str(setup.get("decoder") or "")
+    """A setup whose decoder declares that it needs a drafter."""
+    return bool(setup.get("needs_drafter"))
 
 
 def _sort_key(row: dict) -> tuple:
@@ -126,8 +136,8 @@ def flat_row(run: dict, root: Path | None = None) -> dict:
     path = Path(run["path"]).parent
     if root is not None and path.is_relative_to(root):
         path = path.relative_to(root)
-    row = {"run": run.get("run"), **{k: setup.get(k) for k in SETUP_FIELDS}}
-    row.update({k: metrics.get(k) for k in METRIC_FIELDS})
+    row = {"entry": run.get("entry", "bench"), "run": run.get("run"), **{k: setup.get(k) for k in SETUP_FIELDS}}
+    row.update({k: metrics.get(k) for k in (METRIC_FIELDS if row["entry"] == "bench" else ())})
     row.update({k: v for k, v in metrics.items() if k not in row})
     row.update(speedup_vs_greedy=metrics.get("speedup_vs_greedy"), n_prompts=len(run.get("prompts", [])),
                finished=run.get("finished"), dir=str(path))
@@ -174,6 +184,26 @@ def default_columns(rows: list[dict]) -> list[str]:
     return varying + list(MAIN_COLUMNS)
 
 
+def entry_columns(entry: str, rows: list[dict]) -> list[str]:
+    """bench: `default_columns`; any other entry: the setup name and its scalar metrics."""
+    if entry == "bench":
+        return default_columns(rows)
+    keys = dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float, str)) or v is None)
+    skip = {"entry", "run", "finished", "dir", "n_prompts", "speedup_vs_greedy", *SETUP_FIELDS[1:]} - {"model"}
+    return ["name"] + [k for k in keys if k not in skip and k != "name"]
+
+
+def report_markdown(rows: list[dict]) -> str:
+    """One table per entry point (bench first), each under its heading when there are several."""
+    entries = sorted({r["entry"] for r in rows}, key=lambda e: (e != "bench", e))
+    parts = []
+    for e in entries:
+        mine = [r for r in rows if r["entry"] == e]
+        table = markdown_table(mine, entry_columns(e, mine))
+        parts.append(table if len(entries) == 1 else f"## {e}\n\n{table}")
+    return "\n".join(parts)
+
+
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     """A Markdown table of `rows` over `columns` (default: `default_columns`), with
     readable headers, numbers right-aligned and '-' for missing values."""
@@ -199,178 +229,96 @@ def write_csv(rows: list[dict], path: Path) -> Path:
 
 # ---------------------------------------------------------------- plots
 
-def _figure(ncols: int = 1):
-    """A Figure on an Agg canvas (no pyplot state) and its axes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4 * ncols, 4.4), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
-    return fig, axes
-
-
-def _save(fig, path: Path) -> Path:
-    for ax in fig.axes:
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    return path
-
-
 def _label(run: dict, field: str, multi_model: bool) -> str:
     """A series label: the setup field, prefixed by the model when the report has several."""
     setup = run.get("setup") or {}
     return f"{setup.get('model')} {setup.get(field)}" if multi_model else str(setup.get(field))
 
 
-def _multi_model(runs: list[dict]) -> bool:
-    return len({(r.get("setup") or {}).get("model") for r in runs}) > 1
-
-
-def _series(pairs: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
-    """Series with data only, each sorted by x."""
-    return {k: sorted(v) for k, v in pairs.items() if v}
-
-
-def ttft_series(runs: list[dict]) -> dict[str, list[tuple]]:
-    """(prompt_tokens, ttft_ms) of every prompt, one series per setup name."""
+def _points(runs: list[dict], field: str, xy, skip=lambda r: False) -> dict[str, list[tuple]]:
+    """Series labelled by the setup's `field`: the (x, y) pairs `xy(prompt row)` yields
+    over every prompt of every run not skipped; series without data are dropped."""
+    multi = len({(r.get("setup") or {}).get("model") for r in runs}) > 1
     out: dict[str, list[tuple]] = {}
-    multi = _multi_model(runs)
     for r in runs:
-        pts = [(p["prompt_tokens"], p["ttft_ms"]) for p in r["prompts"]
-               if p.get("prompt_tokens") is not None and p.get("ttft_ms") is not None]
-        out.setdefault(_label(r, "name", multi), []).extend(pts)
-    return _series(out)
+        if not skip(r):
+            out.setdefault(_label(r, field, multi), []).extend(pt for p in r["prompts"] for pt in xy(p))
+    return {k: v for k, v in out.items() if v}
 
 
-def binned_median(xs: list[float], ys: list[float], bins: int = ITL_BINS) -> list[tuple]:
+def binned_median(pts: list[tuple], bins: int = ITL_BINS) -> list[tuple]:
     """(median x, median y) in up to `bins` equal-width bins of x; empty bins dropped."""
     import numpy as np
 
-    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
-    if x.size == 0:
-        return []
+    x, y = np.asarray([p[0] for p in pts], dtype=float), np.asarray([p[1] for p in pts], dtype=float)
     edges = np.linspace(x.min(), x.max(), min(bins, len(np.unique(x))) + 1)
     idx = np.digitize(x, edges[1:-1])  # 0 .. n_bins-1
     return [(float(np.median(x[idx == i])), float(np.median(y[idx == i]))) for i in np.unique(idx)]
 
 
-def itl_series(runs: list[dict]) -> dict[str, list[tuple]]:
-    """Median ITL per context bin, one series per cache backend, non-speculative runs."""
-    raw: dict[str, tuple[list, list]] = {}
-    multi = _multi_model(runs)
-    for r in runs:
-        if is_speculative(r.get("setup") or {}):
-            continue
-        xs, ys = raw.setdefault(_label(r, "cache", multi), ([], []))
-        for p in r["prompts"]:
-            pairs = list(zip(p.get("context") or [], p.get("itl_ms") or []))
-            xs.extend(c for c, _ in pairs)
-            ys.extend(t for _, t in pairs)
-    return _series({k: binned_median(xs, ys) for k, (xs, ys) in raw.items()})
+def plot(path: Path, panels: list[tuple[dict, dict]], style: str = "o-") -> Path | None:
+    """One figure of side-by-side panels, each (series {label: [(x, y)]}, axes settings),
+    on a matplotlib Agg canvas (no pyplot state); None (logged) when no panel has data."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-
-def kv_series(runs: list[dict]) -> tuple[dict, dict]:
-    """Allocated and formula KV MiB vs prompt_tokens + new_tokens, per cache backend
-    (formula points deduplicated by context length)."""
-    alloc: dict[str, list[tuple]] = {}
-    formula: dict[str, dict] = {}
-    multi = _multi_model(runs)
-    for r in runs:
-        key = _label(r, "cache", multi)
-        for p in r["prompts"]:
-            if p.get("prompt_tokens") is None or p.get("new_tokens") is None:
-                continue
-            ctx = p["prompt_tokens"] + p["new_tokens"]
-            if p.get("kv_bytes_allocated") is not None:
-                alloc.setdefault(key, []).append((ctx, p["kv_bytes_allocated"] / MIB))
-            if p.get("kv_bytes_formula") is not None:
-                formula.setdefault(key, {})[ctx] = p["kv_bytes_formula"] / MIB
-    return _series(alloc), _series({k: list(v.items()) for k, v in formula.items()})
-
-
-def plot_ttft(runs: list[dict], path: Path) -> Path | None:
-    """TTFT vs prompt length, one series per setup name."""
-    series = ttft_series(runs)
-    if not series:
-        log.info("skipped %s: no prompt rows with prompt_tokens and ttft_ms", path.name)
+    if not any(series for series, _ in panels):
+        log.info("skipped %s: no data for it", path.name)
         return None
-    fig, (ax,) = _figure()
-    for name, pts in series.items():
-        ax.plot(*zip(*pts), marker="o", linewidth=0.8, label=name)
-    ax.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="Time to first token vs prompt length")
-    return _save(fig, path)
+    fig = Figure(figsize=(6.4 * len(panels), 4.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (series, settings) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for name, pts in series.items():
+            ax.plot(*zip(*sorted(pts)), style, label=name, linewidth=0.9)
+        ax.set(**settings)
+        ax.grid(True, alpha=0.3)
+        if series:
+            ax.legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    return path
 
 
-def plot_itl(runs: list[dict], path: Path) -> Path | None:
-    """ITL vs context length (median per context bin), one series per cache backend."""
-    series = itl_series(runs)
-    if not series:
-        log.info("skipped %s: no non-speculative runs with per-step itl_ms and context", path.name)
-        return None
-    fig, (ax,) = _figure()
-    for name, pts in series.items():
-        ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set(xlabel="tokens in cache", ylabel="ITL (ms), median per bin",
-           title="Inter-token latency vs context (non-speculative)")
-    return _save(fig, path)
+def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
+    """TTFT vs prompt length (per setup), ITL vs context (median per bin, per cache, plain
+    decoders), KV MiB allocated and by formula vs context (per cache), and speedup over
+    greedy and acceptance vs gamma (per drafter and cache), where there is data."""
+    ttft = _points(runs, "name", lambda p: [(p["prompt_tokens"], p["ttft_ms"])] if "ttft_ms" in p else [])
+    itl = _points(runs, "cache", lambda p: zip(p.get("context") or [], p.get("itl_ms") or []),
+                  skip=lambda r: is_speculative(r.get("setup") or {}))
+    ctx = lambda p, k: [(p["prompt_tokens"] + p["new_tokens"], p[k] / MIB)] if p.get(k) is not None else []  # noqa: E731
+    alloc = _points(runs, "cache", lambda p: ctx(p, "kv_bytes_allocated"))
+    formula = _points(runs, "cache", lambda p: ctx(p, "kv_bytes_formula"))
+    spec = [r for r in rows if is_speculative(r) and r.get("gamma") is not None]
+    by_gamma = lambda f: {k: v for k, v in _group(spec, f).items() if v}  # noqa: E731
+    figs = {"ttft_vs_prompt_len": [(ttft, dict(xlabel="prompt tokens", ylabel="TTFT (ms)",
+                                               title="Time to first token vs prompt length"))],
+            "itl_vs_context": [({k: binned_median(v) for k, v in itl.items()},
+                                dict(xlabel="tokens in cache", ylabel="ITL (ms), median per bin",
+                                     title="Inter-token latency vs context (plain decoders)"))],
+            "kv_mib_vs_context": [({**{f"{k} allocated": v for k, v in alloc.items()},
+                                    **{f"{k} formula": v for k, v in formula.items()}},
+                                   dict(xlabel="prompt + new tokens", ylabel="KV cache (MiB)",
+                                        title="KV cache memory vs context"))],
+            "speculative_vs_gamma": [(by_gamma("speedup_vs_greedy"), dict(xlabel="gamma", ylabel="x greedy",
+                                                                            title="Speculative speedup vs gamma")),
+                                     (by_gamma("acceptance_rate"), dict(xlabel="gamma", ylabel="acceptance rate",
+                                                                        title="Acceptance vs gamma"))]}
+    if spec and not by_gamma("speedup_vs_greedy"):
+        figs.pop("speculative_vs_gamma")
+        log.info("skipped speculative_vs_gamma.png: no speculative run has a greedy run with the same model, "
+                 "cache and workload")
+    written = {stem: plot(out / f"{stem}.png", panels) for stem, panels in figs.items()}
+    return {k: v for k, v in written.items() if v is not None}
 
 
-def plot_kv(runs: list[dict], path: Path) -> Path | None:
-    """KV MiB allocated (markers) and by formula (dashed) vs context, per cache backend."""
-    alloc, formula = kv_series(runs)
-    if not alloc and not formula:
-        log.info("skipped %s: no prompt rows with KV bytes", path.name)
-        return None
-    fig, (ax,) = _figure()
-    for i, name in enumerate(sorted(set(alloc) | set(formula))):
-        color = f"C{i % 10}"
-        if name in alloc:
-            ax.plot(*zip(*alloc[name]), "o", color=color, label=f"{name} allocated")
-        if name in formula:
-            ax.plot(*zip(*formula[name]), "--", color=color, label=f"{name} formula")
-    ax.set(xlabel="prompt + new tokens", ylabel="KV cache (MiB)", title="KV cache memory vs context")
-    return _save(fig, path)
-
-
-def gamma_series(rows: list[dict], field: str) -> dict[str, list[tuple]]:
-    """(gamma, row[field]) of speculative rows, one series per drafter and cache."""
-    multi = len({r.get("model") for r in rows}) > 1
+def _group(rows: list[dict], field: str) -> dict[str, list[tuple]]:
+    """(gamma, row[field]) per drafter and cache."""
     out: dict[str, list[tuple]] = {}
     for r in rows:
-        if is_speculative(r) and r.get("gamma") is not None and r.get(field) is not None:
-            key = f"{r.get('draft')} / {r.get('cache')}"
-            key = f"{r.get('model')} {key}" if multi else key
-            out.setdefault(key, []).append((r["gamma"], r[field]))
-    return _series(out)
-
-
-def plot_speculative(rows: list[dict], path: Path) -> Path | None:
-    """Speedup vs greedy and acceptance rate vs gamma, per drafter and cache; skipped
-    when there is no speculative row or none has a greedy counterpart."""
-    if not any(is_speculative(r) for r in rows):
-        log.info("skipped %s: no speculative runs", path.name)
-        return None
-    speedup = gamma_series(rows, "speedup_vs_greedy")
-    if not speedup:
-        log.info("skipped %s: no speculative run has a greedy run with the same model, cache and workload",
-                 path.name)
-        return None
-    fig, (ax1, ax2) = _figure(ncols=2)
-    for name, pts in speedup.items():
-        ax1.plot(*zip(*pts), marker="o", label=name)
-    ax1.axhline(1.0, color="grey", linewidth=0.8)
-    for name, pts in gamma_series(rows, "acceptance_rate").items():
-        ax2.plot(*zip(*pts), marker="o", label=name)
-    from matplotlib.ticker import MaxNLocator
-
-    ax1.set(xlabel="gamma", ylabel="decode tok/s / greedy", title="Speculative speedup vs gamma")
-    ax2.set(xlabel="gamma", ylabel="acceptance rate", title="Acceptance vs gamma", ylim=(0, 1.05))
-    for ax in (ax1, ax2):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _save(fig, path)
+        if r.get(field) is not None:
+            out.setdefault(f"{r.get('draft')} / {r.get('cache')}", []).append((r["gamma"], r[field]))
+    return out
 
 
 # ---------------------------------------------------------------- the report
@@ -392,42 +340,34 @@ def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, P
     out.mkdir(parents=True, exist_ok=True)
     rows = table_rows(runs, root)
     paths = {"csv": write_csv(rows, out / "report.csv"), "md": out / "report.md"}
-    paths["md"].write_text(markdown_table(rows))
-    plots = {"ttft_vs_prompt_len": lambda p: plot_ttft(runs, p), "itl_vs_context": lambda p: plot_itl(runs, p),
-             "kv_mib_vs_context": lambda p: plot_kv(runs, p),
-             "speculative_vs_gamma": lambda p: plot_speculative(rows, p)}
-    for stem, plot in plots.items():
-        if (written := plot(out / f"{stem}.png")) is not None:
-            paths[stem] = written
+    paths["md"].write_text(report_markdown(rows))
+    bench = [r for r in runs if r.get("entry", "bench") == "bench"]  # the plots are of generations
+    paths.update(plots(bench, [r for r in rows if r["entry"] == "bench"], out))
     return paths
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="decodelab-report", description=__doc__.split("\n\n")[0])
-    p.add_argument("dir", type=Path, help="a run or multirun directory (results.jsonl files at any depth)")
-    p.add_argument("--out", type=Path, default=None, help="where to write the report (default: DIR)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI: print the Markdown table and the paths written; exit 2 when DIR has no
-    finished run (or does not exist)."""
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    if not args.dir.is_dir():
-        print(f"error: {args.dir} is not a directory (expected a run or multirun directory holding "
-              f"{RESULTS} files)", file=sys.stderr)
-        return 2
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="report")
+def main(cfg) -> None:
+    """Print the tables and the paths written; exit 2 when `dir` has no finished run."""
+    if cfg.dir is None or not Path(cfg.dir).is_dir():
+        print(f"error: dir={cfg.dir} is not a directory; give a run or multirun directory holding {RESULTS} "
+              "files: decodelab-report dir=outputs/sweeps/compare (or the directory alone)", file=sys.stderr)
+        sys.exit(2)
     try:
-        paths = write_report(args.dir, args.out)
+        paths = write_report(cfg.dir, cfg.out)
     except NoRunsError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        sys.exit(2)
     print(paths["md"].read_text())
     for path in paths.values():
-        print(f"wrote {path}")
-    return 0
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def cli() -> None:
+    """Console entry: `decodelab-report DIR` is `decodelab-report dir=DIR`."""
+    sys.argv[1:] = [a if "=" in a or a.startswith("-") else f"dir={a}" for a in sys.argv[1:]]
+    main()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -11,11 +11,30 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import _source_key, cache_root
 
 log = logging.getLogger("decodelab.workloads")
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+FILLER = ("The history of computing is a story of people who wanted to calculate faster than "
+          "they could by hand. Mechanical calculators gave way to relays, relays to vacuum tubes, "
+          "and tubes to transistors, each step making machines smaller, cheaper and more reliable. ")
+
+
+def synthetic_prompt(lm, n_tokens: int, seed: int = 0) -> list[int]:
+    """Exactly `n_tokens` ids: English filler through the tokenizer when the model has
+    one, else seeded random ids."""
+    try:
+        tok = lm.tokenizer
+    except SetupError:  # a random-weight model without a tokenizer
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, lm.cfg.vocab_size, (n_tokens,), generator=g).tolist()
+    ids = tok.encode(FILLER)
+    while len(ids) < n_tokens:
+        ids += tok.encode(FILLER)
+    return ids[:n_tokens]
 
 
 @dataclass(frozen=True)
@@ -179,8 +198,6 @@ class Synthetic:
         self.lengths, self.per_length, self.seed = lengths, per_length, seed
 
     def __call__(self, lm) -> list[Request]:
-        from decodelab.experiments.common import synthetic_prompt
-
         out = []
         for n in self.lengths:
             for j in range(self.per_length):

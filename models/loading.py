@@ -305,13 +305,13 @@ def load(name_or_path: str, **overrides) -> LoadedModel:
     return instantiate_unwrapped(spec)
 
 
-def instantiate_unwrapped(spec):
-    """hydra's instantiate, re-raising our SetupError instead of its wrapper."""
+def instantiate_unwrapped(spec, **kwargs):
+    """hydra's instantiate (`kwargs` passed on), re-raising our SetupError instead of its wrapper."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
-        return instantiate(spec, _convert_="all")
+        return instantiate(spec, _convert_="all", **kwargs)
     except InstantiationException as e:
         if isinstance(e.__cause__, SetupError):
             raise e.__cause__ from None

@@ -16,8 +16,9 @@ from hydra import compose, initialize_config_dir
 
 from decodelab.cache.dense import DenseCache
 from decodelab.cache.paged import PagedCache
-from decodelab.decoding.agreement import forced_logits
-from decodelab.experiments.agree import compose_setup, first_diff, run, split_overrides, verify_forced_logits
+from decodelab.decoding.agreement import first_diff, forced_logits, verify_forced_logits
+from decodelab.experiments.agree import compose_setup, run, split_overrides
+from decodelab.experiments.report import read_results
 from decodelab.models.loading import CONF_DIR
 from tests.conftest import random_ids
 
@@ -48,12 +49,20 @@ def one_thread():
 
 
 def agree(tmp_path: Path, *overrides: str) -> tuple[int, dict | None]:
-    """Run the matrix in-process: (exit code, agree.json or None)."""
+    """Run the matrix in-process: (exit code, its results.jsonl as a matrix or None)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="agree", overrides=list(overrides))
     code = run(cfg, list(overrides), tmp_path)
-    out = tmp_path / "agree.json"
-    return code, json.loads(out.read_text()) if out.is_file() else None
+    return code, matrix(tmp_path)
+
+
+def matrix(out: Path) -> dict | None:
+    """results.jsonl read back as report reads it: {reference, passed, rows (+ per_prompt)}."""
+    if not (out / "results.jsonl").is_file():
+        return None
+    runs = read_results(out / "results.jsonl")
+    rows = [{**r["metrics"], "setup": r["setup"]["name"], "per_prompt": r["prompts"]} for r in runs]
+    return {"reference": runs[0]["setup"]["reference"], "passed": all(r["passed"] for r in rows), "rows": rows}
 
 
 def cli(*overrides: str) -> subprocess.CompletedProcess:
@@ -118,7 +127,7 @@ def test_an_impossible_threshold_exits_1(tmp_path):
             "setups=[int4]", "agreement.max_abs_dlogit=1e-9", f"hydra.run.dir={tmp_path}")
     assert p.returncode == 1, p.stderr
     assert "FAIL int4: max |dlogit|" in p.stdout and "| int4 |" in p.stdout
-    assert json.loads((tmp_path / "agree.json").read_text())["passed"] is False
+    assert matrix(tmp_path)["passed"] is False
 
 
 BAD = ["model=tiny-llama", "workload=synthetic", "workload.lengths=[]", "setups=[dense,nope,speculative-paged]",
@@ -176,7 +185,7 @@ def test_first_diff():
 
 @pytest.mark.slow
 def test_smollm2_against_transformers_passes_exact_setups(tmp_path):
-    from decodelab.experiments.common import FILLER
+    from decodelab.experiments.workloads import FILLER
 
     # the second prompt is long enough (~250 tokens with the reply) for int4 to quantize
     # blocks behind its exact residual of 112

@@ -83,7 +83,7 @@ ARGS = ["model=tiny-llama", "model.device=cpu", f"prompt={PROMPT}", "chat_templa
 def expected():
     """The request decoded by the library alone (tokenizer, dense cache, greedy loop)."""
     from decodelab.decoding import generate, greedy
-    from decodelab.experiments.common import run_conditions
+    from decodelab.experiments.harness import run_conditions
     from decodelab.models.loading import instantiate_unwrapped
     from tests.conftest import cache_for
 

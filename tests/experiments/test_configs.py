@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from decodelab.experiments import setup
+from decodelab.experiments import harness
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
 
@@ -24,23 +24,23 @@ def names(group: str) -> list[str]:
 @pytest.mark.parametrize("decoder", names("decoder"))
 def test_every_cache_decoder_combination_checks_and_builds(cache, decoder, tiny_models):
     cfg = config(f"cache={cache}", f"decoder={decoder}", "draft=early-exit", "draft.layers=1")
-    setup.check(cfg)
+    harness.check(cfg)
     lm = tiny_models["llama"]
-    factory, dec = setup.build(cfg, lm)
+    factory, dec = harness.build(cfg, lm)
     assert callable(factory) and hasattr(dec, "step")
 
 
 @pytest.mark.parametrize("draft", names("draft"))
 def test_every_draft_builds(draft, tiny_models):
     overrides = ["decoder=speculative", f"draft={draft}"] + (["draft.layers=1"] if draft == "early-exit" else [])
-    _, dec = setup.build(config(*overrides), tiny_models["llama"])
+    _, dec = harness.build(config(*overrides), tiny_models["llama"])
     assert dec.drafter is not None
 
 
 def test_bad_config_lists_every_reason():
     cfg = config("decoder=speculative", "decoder.gamma=0", "decoder.temperature=-1", "decoder.top_p=2")
     with pytest.raises(SetupError) as e:
-        setup.check(cfg)
+        harness.check(cfg)
     assert len(e.value.reasons) == 3
 
 
@@ -90,8 +90,8 @@ def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny
 @pytest.mark.parametrize("name", names("setup"))
 def test_every_named_setup_checks_and_builds(name, tiny_models):
     cfg = config(f"setup={name}", "draft.layers=1")
-    setup.check(cfg)
-    _, dec = setup.build(cfg, tiny_models["llama"])
+    harness.check(cfg)
+    _, dec = harness.build(cfg, tiny_models["llama"])
     assert cfg.setup_name == name and {"max_abs_dlogit", "max_kl", "min_top1"} <= set(cfg.agreement)
     assert ("speculative" in name) == hasattr(dec, "drafter")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from decodelab.experiments.report import (load_runs, main, markdown_table, table_rows, write_report)
+from decodelab.experiments.report import load_runs, markdown_table, table_rows, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,8 +46,8 @@ def write_run(d: Path, run: str, cache: str, decoder: str = "greedy", gamma: int
                "alpha": 0.7 if spec else None, "predicted_speedup": 1.9 if spec else None,
                "agree_top1": 1.0, "agree_kl": 1.5e-7, "agree_max_abs_dlogit": 0.001}
     if complete:
-        lines.append({"kind": "summary", "run": run, "finished": finished,
-                      "setup": {"name": name, "model": model, "cache": cache, "decoder": decoder,
+        lines.append({"kind": "summary", "entry": "bench", "run": run, "finished": finished,
+                      "setup": {"name": name, "model": model, "cache": cache, "decoder": decoder, "needs_drafter": spec,
                                 "draft": "early-exit" if spec else None, "gamma": gamma,
                                 "workload": "synthetic", "experiment": "main"},
                       "metrics": metrics, "conditions": {"git": "abc", "threads": 2}, "config": {}})
@@ -136,7 +136,7 @@ def test_speculative_plot_skipped_without_counterpart(tmp_path, caplog):
     write_run(tmp_path / "g" / "0", "b00000000001", "dense")
     paths = write_report(tmp_path / "g")
     assert "speculative_vs_gamma" not in paths and "itl_vs_context" in paths
-    assert any("no speculative runs" in m for m in caplog.messages)
+    assert any("skipped speculative_vs_gamma.png: no data" in m for m in caplog.messages)
     assert not (tmp_path / "g" / "speculative_vs_gamma.png").exists()
 
     write_run(tmp_path / "s" / "0", "b00000000002", "paged", "speculative", 3)
@@ -145,11 +145,33 @@ def test_speculative_plot_skipped_without_counterpart(tmp_path, caplog):
     assert any("no speculative run has a greedy run" in m for m in caplog.messages)
 
 
-def test_cli_prints_table_and_paths(sweep, capsys):
-    assert main([str(sweep)]) == 0
-    out = capsys.readouterr().out
-    assert "| speedup vs greedy |" in out and f"wrote {sweep / 'report.csv'}" in out
+def test_cli_prints_table_and_paths(sweep):
+    r = subprocess.run([str(Path(sys.executable).parent / "decodelab-report"), str(sweep)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "| speedup vs greedy |" in r.stdout and f"wrote {sweep / 'report.csv'}" in r.stderr
     assert (sweep / "speculative_vs_gamma.png").exists()
+
+
+def test_every_entry_gets_its_table_and_bad_lines_are_skipped(tmp_path, caplog):
+    """bench, agree and micro results under one root: a table each (bench first), the
+    other entries' own columns; a JSON line that is not an object is skipped, not fatal."""
+    write_run(tmp_path / "bench" / "0", "a1", "dense", decode_tok_s=20.0)
+    other = [{"kind": "summary", "entry": "agree", "run": "agree-x-int4", "finished": "2025-01-01T00:00:00",
+              "setup": {"name": "int4", "model": "tiny-llama"}, "metrics": {"max_abs_dlogit": 0.5, "top1": 0.97,
+                                                                            "passed": True, "failures": []}},
+             [1, 2, 3],
+             {"kind": "summary", "entry": "micro", "run": "kv_speed-t-0", "finished": "2025-01-01T00:00:00",
+              "setup": {"name": "kv_speed", "model": "tiny-llama"}, "metrics": {"context": 1024, "system": "paged",
+                                                                                "itl_ms": 12.5}}]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in other) + "{oops\n")
+    md = (tmp_path / "report.md").read_text() if write_report(tmp_path) else ""
+    sections = md.split("## ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["bench", "agree", "micro"]
+    assert "| setup | model | max_abs_dlogit | top1 | passed |" in sections[1] and "| int4 | tiny-llama | 0.5 |" in md
+    assert "| setup | model | context | system | itl_ms |" in sections[2] and "| kv_speed | tiny-llama | 1024 |" in md
+    assert sum("not a JSON object" in m for m in caplog.messages) == 2  # the list and the broken line
 
 
 def test_cli_exits_2_without_finished_runs(tmp_path):

@@ -121,14 +121,14 @@ def test_bad_options_are_refused_before_loading(monkeypatch):
 def test_setup_check_covers_target_and_draft_model_options():
     from hydra import compose, initialize_config_dir
 
-    from decodelab.experiments import setup
+    from decodelab.experiments import harness
     from decodelab.models.loading import CONF_DIR
 
     def reasons(*overrides):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=list(overrides))
         with pytest.raises(SetupError) as e:
-            setup.check(cfg)
+            harness.check(cfg)
         return e.value.reasons
 
     r = reasons("model.matmul=mkl", "decoder=speculative", "draft=model", "draft.model.weights=int3")

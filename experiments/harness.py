@@ -1,0 +1,240 @@
+"""The one harness every entry point stands on.
+
+- a setup from configs: `check(cfg)` before any weights load (every reason at once),
+  `load_model(cfg)` (threads, the pinned git revision), `build(cfg, lm)` (cache factory,
+  decoder with its drafter), `cache_factory(name)` (a conf/cache option by name);
+- `Timer`: wall-clock intervals that synchronize the model's device first (a GPU runs
+  asynchronously: an unsynchronized clock times the launch, not the work);
+- `run_conditions`: hardware, threads, versions, git revision, recorded with every figure;
+- results: `results.jsonl` in one schema, written atomically under the entry point's
+  Hydra output directory (all under `outputs/`), which `experiments.report` reads:
+  `{"kind": "prompt", "run": ID, ...}` lines (per prompt or per step, optional) and one
+  `{"kind": "summary", "entry", "run", "finished", "setup": {...}, "metrics": {...},
+  "conditions": {...}, "config": {...}}` line per table row.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from decodelab.cache.base import CacheLayout
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+
+log = logging.getLogger("decodelab.harness")
+RESULTS = "results.jsonl"
+
+
+# -- run conditions -------------------------------------------------------------------------
+@functools.cache
+def git_rev() -> str:
+    """The revision this process runs: HEAD at the first call (entry points call it as
+    they start), `-dirty` when tracked files differed from it then."""
+    try:
+        rev = _git("rev-parse", "--short", "HEAD") or "unknown"
+        return rev + ("-dirty" if rev != "unknown" and _git("status", "--porcelain", "--untracked-files=no") else "")
+    except Exception:
+        return "unknown"
+
+
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5).stdout.strip()
+
+
+def run_conditions(model=None) -> dict:
+    """Hardware, threads, versions and git revision, recorded with every figure."""
+    versions = {}
+    for pkg in ("torch", "transformers", "optimum-quanto", "triton"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
+            "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            **versions}
+    if model is not None:
+        cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
+                    matmul=getattr(model, "matmul", None))
+    return cond
+
+
+def cpu_name() -> str:
+    """The CPU's model name and widest vector ISA (from /proc/cpuinfo where there is one)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")  # noqa: E731
+    isa = next((f for f in ("avx512f", "avx2", "avx") if f in field("flags").split()), "")
+    return " ".join(x for x in (field("model name") or platform.machine(), isa) if x)
+
+
+# -- timing ---------------------------------------------------------------------------------
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """`with timer: ...` adds one interval to `timer.seconds`, synchronizing the device
+    before the clock starts and before it stops."""
+
+    def __init__(self, device="cpu"):
+        self.device, self.seconds = torch.device(device), []
+
+    def __enter__(self) -> "Timer":
+        sync(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sync(self.device)
+        self.seconds.append(time.perf_counter() - self._t0)
+
+    def median(self) -> float:
+        return sorted(self.seconds)[len(self.seconds) // 2]
+
+
+# -- a setup from configs ---------------------------------------------------------------------
+def _collect(reasons: list[str], fn):
+    try:
+        return fn()
+    except SetupError as e:
+        reasons += e.reasons
+        return None
+
+
+def _probe_layout() -> CacheLayout:
+    """A small stand-in layout for checking cache options before the model is known
+    (head_dim 64 like most checkpoints; the real layout is checked again at build time)."""
+    return CacheLayout(2, 1, 64, torch.float32, torch.device("cpu"), (None, None), 0.125)
+
+
+def declared(spec, trait: str, default=False):
+    """What the class or factory a config's `_target_` names declares about itself
+    (`needs_drafter` of a decoder, `quantizes_target` of a drafter), before building it."""
+    from hydra.utils import get_object
+
+    target = spec.get("_target_") if spec is not None else None
+    return getattr(get_object(target), trait, default) if target else default
+
+
+def model_problems(spec, key: str = "model") -> list[str]:
+    """The non-architecture options of a conf/model spec (weights, matmul)."""
+    from decodelab.models.loading import model_option_problems
+
+    return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
+                                 spec.get("device"), key)
+
+
+def draft_problems(cfg: DictConfig) -> list[str]:
+    """A draft model's options; a draft that quantizes the target, of a target quantized already."""
+    draft = cfg.get("draft") or {}
+    p = model_problems(draft.model, "draft.model") if draft.get("model") is not None else []
+    if declared(draft, "quantizes_target") and cfg.model.get("weights", "none") != "none":
+        p.append(f"draft={draft.get('weights')}-self quantizes the target, but the target is quantized already "
+                 f"(model.weights={cfg.model.weights}); use model.weights=none, or another draft (early-exit, "
+                 "prompt-lookup)")
+    return p
+
+
+def check(cfg: DictConfig) -> None:
+    """Every problem of the model options, decoder, draft and cache configs, before weights load."""
+    reasons = model_problems(cfg.model)
+    needs_drafter = declared(cfg.decoder, "needs_drafter")
+    kw = {"drafter": None} if needs_drafter else {}
+    decoder = _collect(reasons, lambda: instantiate_unwrapped(cfg.decoder, **kw))
+    if needs_drafter:
+        reasons += draft_problems(cfg)
+    factory = _collect(reasons, lambda: instantiate_unwrapped(cfg.cache))
+    probe = _collect(reasons, lambda: factory(_probe_layout(), 1, 128)) if factory else None
+    lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0
+    if probe is not None and lookahead and probe.rollback_limit < lookahead:
+        reasons.append(f"cache {cfg.cache._target_} can roll back {probe.rollback_limit} tokens but the decoder's "
+                       f"gamma needs {lookahead}; raise the cache's rollback/residual or lower gamma")
+    raise_if(reasons)
+
+
+def load_model(cfg: DictConfig):
+    """The target model of `cfg.model` with `cfg.threads` torch threads (when set); pins
+    the git revision the run starts with."""
+    git_rev()
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    return instantiate_unwrapped(cfg.model)
+
+
+def build(cfg: DictConfig, lm):
+    """(cache factory, decoder) for the loaded target `lm`; a decoder that declares
+    `needs_drafter` gets the drafter of `cfg.draft`, caching through the same backend."""
+    factory = instantiate_unwrapped(cfg.cache)
+    kw = {}
+    if declared(cfg.decoder, "needs_drafter"):
+        kw["drafter"] = instantiate_unwrapped(cfg.draft)(target=lm, cache=factory)
+    decoder = instantiate_unwrapped(cfg.decoder, **kw)
+    log.info("cache: %s | decoder: %s", cfg.cache._target_, decoder)
+    return factory, decoder
+
+
+def cache_factory(name: str, **options):
+    """The cache factory of conf/cache/<name>.yaml, with option overrides."""
+    path = CONF_DIR / "cache" / f"{name}.yaml"
+    if not path.is_file():
+        options_ = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise SetupError(f"no cache backend {name!r}; the options are {', '.join(options_)}")
+    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(path), options))
+
+
+# -- results ----------------------------------------------------------------------------------
+def summary(entry: str, run: str, setup: dict, metrics: dict, conditions: dict, cfg=None) -> dict:
+    """One summary record (a table row) of the results schema."""
+    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    return {"kind": "summary", "entry": entry, "run": run, "finished": datetime.now(timezone.utc).isoformat(),
+            "setup": setup, "metrics": metrics, "conditions": conditions, "config": config}
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    """All records or nothing: a temporary file, fsynced, renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, default=str) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def output_dir() -> Path:
+    """This Hydra job's output directory (outputs/<entry>/...)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def hf_model_for(lm):
+    """transformers' own model with the same weights (from the converted checkpoint when
+    there is one, else built from the native weights), SDPA attention, on lm's device."""
+    from transformers import AutoModelForCausalLM
+
+    from decodelab.models.reference import hf_reference
+
+    if lm.hf_dir is None:
+        return hf_reference(lm.model, attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_pretrained(lm.hf_dir, dtype=lm.model.dtype, attn_implementation="sdpa")
+    return hf.to(lm.model.device).eval()

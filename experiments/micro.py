@@ -1,0 +1,207 @@
+"""Microbenchmarks: one step or one forward, timed side by side in one process.
+
+    decodelab-micro part=kv_speed     # decode ITL per cache backend and transformers' QuantizedCache
+    decodelab-micro part=kv_quality   # int4 KV (ours, transformers' QuantizedCache) vs dense, teacher-forced
+    decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
+
+Where `experiments.bench` measures whole generations, these isolate one cost:
+- kv_speed: after a synthetic prompt of each context length, the median decode step of
+  each backend (conf/cache options) and of transformers' `QuantizedCache(backend="quanto")`
+  at the same int4 settings, alternating systems within each repeat; KV bytes held;
+- kv_quality: ShareGPT prompts, each followed by `forced_tokens` of its reply fed one
+  token at a time through our int4 cache and through transformers' QuantizedCache;
+  top-1 agreement and KL (float64, never negative) against the dense cache's logits;
+- verify_cost: one target forward of T tokens after a prompt (what verifying gamma = T - 1
+  drafts costs) for each `models.matmul` impl, as a ratio to T = 1 under the same impl.
+
+Every row goes into results.jsonl (`experiments.report` reads it) under
+outputs/micro/<part>/<time>/, printed with the run conditions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from contextlib import nullcontext
+from functools import partial
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from decodelab.decoding.agreement import compare, dense_logits, forced_logits
+from decodelab.decoding.prefill import prefill
+from decodelab.decoding.text import make_cache
+from decodelab.experiments import harness
+from decodelab.experiments.workloads import sharegpt, synthetic_prompt
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.loading import CONF_DIR
+from decodelab.models.matmul import impl_problems
+
+
+# -- transformers' QuantizedCache ---------------------------------------------------------------
+def hf_quantized(hf, cfg):
+    from transformers import QuantizedCache
+
+    return QuantizedCache(backend="quanto", config=hf.config, nbits=cfg.nbits, q_group_size=cfg.group_size,
+                          residual_length=cfg.residual)
+
+
+@torch.no_grad()
+def hf_steps(hf, cfg, prompt: list[int], feed: list[int] | None, steps: int, timer=None):
+    """Prefill through a fresh QuantizedCache, then `steps` one-token forwards feeding
+    `feed` (teacher forcing) or the argmax; (logits [steps + 1, V], cache)."""
+    o = hf(torch.tensor([prompt], device=hf.device), past_key_values=hf_quantized(hf, cfg), use_cache=True,
+           logits_to_keep=1)
+    out = [o.logits[0, -1]]
+    for i in range(steps):
+        tok = feed[i] if feed is not None else int(out[-1].argmax())
+        with timer or nullcontext():
+            o = hf(torch.tensor([[tok]], device=hf.device), past_key_values=o.past_key_values, use_cache=True)
+        out.append(o.logits[0, -1])
+    return torch.stack(out).double(), o.past_key_values
+
+
+def hf_quantized_bytes(cache) -> int:
+    """Bytes transformers' QuantizedCache holds: packed data, scales, shifts, residual."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
+            total += sum(t.numel() * t.element_size() for t in _tensors(getattr(layer, name, None)))
+    return total
+
+
+def _tensors(qt) -> list[torch.Tensor]:
+    if qt is None:
+        return []
+    if type(qt) is torch.Tensor:
+        return [qt]
+    names, _ = qt.__tensor_flatten__()
+    return [t for n in names for t in _tensors(getattr(qt, n))]
+
+
+# -- ours -----------------------------------------------------------------------------------------
+@torch.no_grad()
+def our_steps(model, factory, prompt: list[int], steps: int, timer) -> int:
+    """Prefill, then `steps` greedy one-token forwards, each timed; the cache's bytes."""
+    cache = make_cache(model, 1, len(prompt) + steps + 1, factory)
+    tok = prefill(model, cache, [prompt]).argmax(-1)[:, None]  # [1, 1]
+    for _ in range(steps):
+        with timer:
+            tok = model(tok, cache.lengths[:, None].to(model.device), cache)[:, -1].argmax(-1)[:, None]
+    return cache.nbytes()
+
+
+def kv_speed(cfg, lm, hf) -> list[dict]:
+    systems = {name: partial(our_steps, lm.model, harness.cache_factory(name)) for name in cfg.backends}
+    systems["hf-QuantizedCache"] = lambda p, s, timer: hf_quantized_bytes(hf_steps(hf, cfg, p, None, s, timer)[1])
+    rows = []
+    for ctx in cfg.contexts:
+        prompt = synthetic_prompt(lm, ctx)
+        timers = {n: harness.Timer(lm.model.device) for n in systems}
+        nbytes = {}
+        for _ in range(cfg.repeats):  # alternate systems within each repeat
+            for n, fn in systems.items():
+                nbytes[n] = fn(prompt, cfg.steps, timer=timers[n])
+        dense = timers[cfg.backends[0]].median()
+        rows += [{"context": ctx, "system": n, "itl_ms": 1e3 * t.median(), f"itl_vs_{cfg.backends[0]}": t.median() / dense,
+                  "kv_bytes": nbytes[n]} for n, t in timers.items()]
+    return rows
+
+
+def kv_quality(cfg, lm, hf) -> list[dict]:
+    tok = lm.tokenizer
+    reqs = sharegpt(cfg.prompts, seed=cfg.seed, tokenizer=tok, max_prompt_tokens=cfg.max_prompt_tokens,
+                    min_reference_tokens=cfg.forced_tokens)
+    ours = harness.cache_factory("int4", nbits=cfg.nbits, group_size=cfg.group_size, residual=cfg.residual)
+    systems = {"ours-int4": lambda p, r: forced_logits(lm.model, ours, p, r).double(),
+               "hf-QuantizedCache": lambda p, r: hf_steps(hf, cfg, p, r, len(r) - 1)[0]}
+    per = {name: [] for name in systems}
+    for i, req in enumerate(reqs):
+        prompt, ref = tok.encode(req.prompt, chat=True), tok.encode(req.reference)[: cfg.forced_tokens]
+        dense = dense_logits(lm.model, prompt, ref).double()
+        for name, fn in systems.items():
+            per[name].append(compare(dense, fn(prompt, ref)))
+        print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): " + ", ".join(
+            f"{n} top1 {v[-1]['top1']:.3f} kl {v[-1]['kl']:.4f}" for n, v in per.items()), file=sys.stderr)
+    return [{"system": n, "prompts": len(v), "forced_tokens": cfg.forced_tokens,
+             "top1_agreement": statistics.mean(x["top1"] for x in v), "mean_kl": statistics.mean(x["kl"] for x in v),
+             "worst_prompt_top1": min(x["top1"] for x in v)} for n, v in per.items()]
+
+
+@torch.no_grad()
+def forward_ms(model, cache, T: int, repeats: int) -> float:
+    """Median ms of one forward of T tokens after what `cache` holds (rolled back after each)."""
+    L = cache.lengths.clone()
+    ids = torch.full((1, T), 5, dtype=torch.long, device=model.device)
+    positions = (L[:, None] + torch.arange(T)[None]).to(model.device)
+    timer = harness.Timer(model.device)
+    for _ in range(repeats + 1):  # the first is a warm-up (it may pack weights)
+        with timer:
+            model(ids, positions, cache)
+        cache.truncate(L)
+    return 1e3 * statistics.median(timer.seconds[1:])
+
+
+def verify_cost(cfg, lm, hf) -> list[dict]:
+    """Forward of T tokens vs one token, per matmul impl, at the first ShareGPT prompt's context."""
+    model, rows, one = lm.model, [], {}
+    req = sharegpt(1, seed=cfg.seed, tokenizer=lm.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens)[0]
+    prompt = lm.tokenizer.encode(req.prompt, chat=True)
+    cache = make_cache(model, 1, len(prompt) + max(cfg.tokens))
+    prefill(model, cache, [prompt])
+    for T in [1] + [t for t in cfg.tokens if t != 1]:  # T = 1 first: the unit
+        for impl in cfg.impls:  # impls alternate per T
+            model.set_matmul(impl)
+            ms = forward_ms(model, cache, T, cfg.repeats)
+            one.setdefault(impl, ms)
+            rows.append({"matmul": impl, "tokens": T, "context": len(prompt), "ms": ms, "cost_vs_1_token": ms / one[impl]})
+    model.set_matmul(cfg.model.get("matmul", "auto"))
+    return rows
+
+
+PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost}
+
+
+def check(cfg: DictConfig) -> None:
+    """The part and its options, before the model loads."""
+    p = [] if cfg.part in PARTS else [f"part must be one of {list(PARTS)}, got {cfg.part!r}"]
+    if cfg.part == "verify_cost":
+        p += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
+    if cfg.part == "kv_speed":
+        known = sorted(f.stem for f in (CONF_DIR / "cache").glob("*.yaml"))
+        p += [f"backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.backends if b not in known]
+    for key in ("repeats", "steps", "prompts", "forced_tokens"):
+        if not (isinstance(cfg[key], int) and cfg[key] >= 1):
+            p.append(f"{key} must be an integer >= 1, got {cfg[key]!r}")
+    p += harness.model_problems(cfg.model)
+    raise_if(p)
+
+
+def run(cfg: DictConfig, out) -> list[dict]:
+    check(cfg)
+    lm = harness.load_model(cfg)
+    hf = harness.hf_model_for(lm) if cfg.part != "verify_cost" else None
+    rows = PARTS[cfg.part](cfg, lm, hf)
+    cond = harness.run_conditions(lm.model)
+    recs = [harness.summary("micro", f"{cfg.part}-{out.name}-{i}", {"name": cfg.part, "model": lm.name}, row, cond, cfg)
+            for i, row in enumerate(rows)]
+    from decodelab.experiments.report import markdown_table
+
+    print(markdown_table(rows, list(rows[0])))
+    print(f"model={lm.name} conditions: {cond}")
+    print(f"wrote {harness.write_jsonl(out / harness.RESULTS, recs)}")
+    return rows
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="micro")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg, harness.output_dir())
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
