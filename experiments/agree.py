@@ -35,13 +35,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.dense import DenseCache
-from decodelab.decoding.agreement import compare, dense_logits, first_diff, hf_logits, setup_logits
+from decodelab.decoding.agreement import compare, dense_logits, first_diff, hf_greedy, hf_logits, setup_logits
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.models.reference import hf_model_for
 
 log = logging.getLogger("decodelab.agree")
 
@@ -204,27 +205,6 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
 
 
 # -- the reference ------------------------------------------------------------------------
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy continuation through its own cache: n ids (EOS ignored)."""
-    kw = hf_cache_kwarg(hf)
-    out = hf(torch.tensor([prompt], device=hf.device), use_cache=True, logits_to_keep=1)
-    tokens = [int(out.logits[0, -1].argmax())]
-    while len(tokens) < n:
-        ids = torch.tensor([[tokens[-1]]], device=hf.device)  # [1, 1]
-        out = hf(ids, use_cache=True, **{kw: getattr(out, kw)})
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
-
-
-def hf_cache_kwarg(hf) -> str:
-    """The name transformers gives the cache argument and output (`cache` since it
-    renamed `past_key_values` in 5.x)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-
-
 def free_run(model, factory, decoder, prompt: list[int], n: int) -> tuple[list[int], dict]:
     """`n` tokens (EOS ignored) of a setup's own decoding, and its decoder statistics."""
     cache = make_cache(model, 1, len(prompt) + n + decoder.lookahead, factory)
@@ -235,7 +215,7 @@ def free_run(model, factory, decoder, prompt: list[int], n: int) -> tuple[list[i
 def reference_fns(kind: str, lm):
     """(logits(prompt, seq) -> [N, V], greedy(prompt, n) -> ids) of the reference."""
     if kind == "transformers":
-        hf = harness.hf_model_for(lm)
+        hf = hf_model_for(lm)
         return partial(hf_logits, hf), partial(hf_greedy, hf)
     return partial(dense_logits, lm.model), lambda p, n: free_run(lm.model, DenseCache, greedy(), p, n)[0]
 

@@ -47,6 +47,7 @@ from decodelab.decoding.speculative import predicted_speedups
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
+from decodelab.models.reference import hf_model_for
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -287,7 +288,7 @@ def run(cfg: DictConfig, out: Path) -> dict:
         return done
     lm = harness.load_model(cfg)
     factory, decoder = harness.build(cfg, lm)
-    hf = harness.hf_model_for(lm) if cfg.compare_transformers else None
+    hf = hf_model_for(lm) if cfg.compare_transformers else None
     reqs = workload(lm)
     log.info("run %s: %s on %d prompts (%s) -> %s", run_hash, describe(cfg)["name"], len(reqs),
              choices().get("workload"), out)

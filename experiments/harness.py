@@ -226,15 +226,3 @@ def output_dir() -> Path:
 
     return Path(HydraConfig.get().runtime.output_dir)
 
-
-def hf_model_for(lm):
-    """transformers' own model with the same weights (from the converted checkpoint when
-    there is one, else built from the native weights), SDPA attention, on lm's device."""
-    from transformers import AutoModelForCausalLM
-
-    from decodelab.models.reference import hf_reference
-
-    if lm.hf_dir is None:
-        return hf_reference(lm.model, attn_implementation="sdpa")
-    hf = AutoModelForCausalLM.from_pretrained(lm.hf_dir, dtype=lm.model.dtype, attn_implementation="sdpa")
-    return hf.to(lm.model.device).eval()

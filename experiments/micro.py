@@ -34,6 +34,7 @@ from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.workloads import sharegpt, synthetic_prompt
+from decodelab.models.reference import hf_model_for
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR
 from decodelab.models.matmul import impl_problems
@@ -181,7 +182,7 @@ def check(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, out) -> list[dict]:
     check(cfg)
     lm = harness.load_model(cfg)
-    hf = harness.hf_model_for(lm) if cfg.part != "verify_cost" else None
+    hf = hf_model_for(lm) if cfg.part != "verify_cost" else None
     rows = PARTS[cfg.part](cfg, lm, hf)
     cond = harness.run_conditions(lm.model)
     recs = [harness.summary("micro", f"{cfg.part}-{out.name}-{i}", {"name": cfg.part, "model": lm.name}, row, cond, cfg)

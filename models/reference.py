@@ -1,4 +1,5 @@
-"""The transformers model holding the same weights as a native one: the test oracle."""
+"""The transformers model holding the same weights as a native one: the oracle of tests,
+`experiments.agree` and the side-by-side benchmarks."""
 
 from __future__ import annotations
 
@@ -19,3 +20,14 @@ def hf_reference(model, attn_implementation: str = "eager"):
     state = to_hf_state(model.cfg, {k: v.detach().float().cpu() for k, v in model.state_dict().items()})
     hf.load_state_dict(state, strict=True)
     return hf.to(device=model.device, dtype=model.dtype).eval()
+
+
+def hf_model_for(lm):
+    """transformers' own model with the same weights (from the converted checkpoint when
+    there is one, else built from the native weights), SDPA attention, on lm's device."""
+    from transformers import AutoModelForCausalLM
+
+    if lm.hf_dir is None:
+        return hf_reference(lm.model, attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_pretrained(lm.hf_dir, dtype=lm.model.dtype, attn_implementation="sdpa")
+    return hf.to(lm.model.device).eval()
