@@ -1,10 +1,31 @@
 """The `KVCache` contract, its layout, and the bookkeeping every backend shares.
 
-A cache is one object per model. The model calls `prepare(positions, valid)` once per
-forward, then `attend(layer, q, k, v, positions)` in every attention layer: the backend
-stores the new K/V and returns attention of q over everything that row has cached
-(causal by position, honouring the layer's sliding window). Storage layout and the
-attention that reads it live together, because the layout decides the kernel.
+A cache is one object per model; storage layout and the attention that reads it live
+together, because the layout decides the kernel. Per forward the model calls:
+
+`prepare(positions, valid=None)`, once, before the first layer:
+- receives `positions` [B, T] (int, any device): the position of every new token, rows
+  in the cache's batch order; and `valid` [B, T] (bool, or None for all True): False
+  marks padding, which is never cached as a key of any valid query;
+- checks that the batch has `batch_size` rows and that every position fits `capacity`
+  (else SetupError, and the cache is unchanged);
+- sets `lengths` [B]: each row's last valid position + 1 (a row with no valid token
+  keeps its length);
+- keeps, for this forward only, the positions and the valid mask on the host and
+  whatever the backend plans from them (write slots, blocks it allocates, key spans and
+  masks per window, kernel arguments): every layer of the forward reuses that plan.
+
+`attend(layer, q, k, v)`, once per attention layer, in layer order:
+- receives the layer index, q [B, Hq, T, D] and the new k, v [B, Hkv, T, D] of the
+  tokens `prepare` announced (Hq a multiple of Hkv: grouped-query attention);
+- stores k, v of the valid tokens at their positions (a backend may also write the
+  padding's slots past a row's length; no valid query ever reads them);
+- returns [B, Hq, T, D]: for each query at position q, softmax attention over the keys
+  its row holds at positions p <= q (this forward's included), inside the layer's window
+  `window(layer)` (q - p < w) plus the backend's `sink_tokens`; a padding query's output
+  is finite and meaningless.
+
+Between forwards, `read`, `truncate`, `reset` and `nbytes` serve decoders and experiments.
 """
 
 from __future__ import annotations
@@ -123,9 +144,9 @@ class KVCache:
         self.lengths = torch.where(last > 0, last, self.lengths)
         self._qpos, self._valid, self._masks = pos, ok, {}
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """Store k, v [B, Hkv, T, D] at `positions` [B, T]; return attention of q [B, Hq, T, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the valid new k, v [B, Hkv, T, D] at the positions `prepare` received and
+        return attention [B, Hq, T, D] of q [B, Hq, T, D] over the row's visible keys."""
         raise NotImplementedError
 
     def window(self, layer: int) -> int | None:

@@ -53,7 +53,7 @@ class DenseCache(KVCache):
                 self._masks[window] = (lo, hi, None if mask is None else mask.to(self.layout.device), False)
         return self._masks[window]
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v):
         self._write(layer, k, v)
         lo, hi, mask, causal = self._span(self.layout.windows[layer])
         keys, values = self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]

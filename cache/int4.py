@@ -364,7 +364,7 @@ class QuantizedCache(KVCache):
         return View(a, a + qeff.shape[1], lo.tolist(), qa.tolist(), fs.tolist(), hi.tolist(), S, mask, causal,
                     bool((total < S).any()))
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v):
         """Store the valid k, v [B, Hkv, T, D] and quantize the blocks now due; attend q
         [B, Hq, T, D] with the version of every key its position calls for; then drop the
         exact copies that no query can need any more."""

@@ -319,7 +319,7 @@ class PagedCache(KVCache):
             mask = None if bool(mask.all()) else mask
         return None if mask is None else mask.to(self.layout.device)
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v):
         """Write the valid new k, v [B, Hkv, T, D] into the rows' blocks, then attend q
         [B, Hq, T, D] over the gathered keys of the layer's window."""
         D = self.layout.head_dim

@@ -264,12 +264,12 @@ class SlidingCache(DenseCache):
         B, H, _, D = src.shape
         return src.reshape(-1, D).index_select(0, r.gather).view(B, H, r.keys, D)
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v):
         """Store k, v [B, Hkv, T, D] and return attention of q [B, Hq, T, D] over the
         row's visible keys (ring layers: dense's span, gathered from the ring and k, v)."""
         ring = self._rings[layer]
         if ring is None:
-            return super().attend(layer, q, k, v, positions)
+            return super().attend(layer, q, k, v)
         plan, r = self._plans[ring], self._reads[ring, self._windows[layer]]
         if self._write_first:
             self._ring_write(layer, plan, k, v)

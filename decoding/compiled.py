@@ -81,7 +81,7 @@ class StaticAttention:
         """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
 
     @torch.compiler.disable
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v):
         """Write k, v [B, Hkv, 1, D] at each row's position; attend q [B, Hq, 1, D]."""
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
             pool[self.heads, self.blk[:, None], self.off[:, None]] = new[:, :, 0]  # [B, Hkv, D]

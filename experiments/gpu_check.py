@@ -342,7 +342,7 @@ def attention_entry(rep, plan, name, shape, batch, ctx, copy_gbps) -> None:
                 continue
             cache.impl = impl
             cache.prepare(pos)
-            t = per_call(lambda: cache.attend(0, q, k, v, pos.to(dev)), dev, plan["reps"])
+            t = per_call(lambda: cache.attend(0, q, k, v), dev, plan["reps"])
             rep.add("attention", rate(base | {"backend": type(cache).__name__, "impl": impl}, kv_read_bytes(cache, ctx),
                                       t, copy_gbps))
     c = QuantizedCache(layout, batch, ctx + 1, impl="reference", **plan["int4"])

@@ -1,7 +1,8 @@
 """One compact decoder-only transformer for the Llama family and Gemma 3 text.
 
-Attention reads and writes K/V only through `cache.attend(layer, q, k, v, positions)`:
-the cache owns the storage layout and the attention kernel that reads it.
+Attention reads and writes K/V only through the cache: `cache.prepare(positions, valid)`
+once per forward, then `cache.attend(layer, q, k, v)` in every layer; the cache owns the
+storage layout and the attention kernel that reads it.
 Positions are always explicit.
 """
 
@@ -76,7 +77,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple, positions: torch.Tensor, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, cache) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -86,7 +87,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = cache.attend(self.layer, q, k, v, positions)  # [B, Hq, T, D]
+        out = cache.attend(self.layer, q, k, v)  # [B, Hq, T, D]
         return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))
 
 
@@ -116,8 +117,8 @@ class Block(nn.Module):
         self.attn_post_norm = norm() if cfg.sandwich_norm else None
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
-    def forward(self, x, rope, positions, cache):
-        h = self.attn(self.attn_norm(x), rope, positions, cache)
+    def forward(self, x, rope, cache):
+        h = self.attn(self.attn_norm(x), rope, cache)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
@@ -169,7 +170,7 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
         for layer, block in enumerate(self.layers[:n_layers]):
-            x = block(x, ropes[self._rope_keys[layer]], positions, cache)
+            x = block(x, ropes[self._rope_keys[layer]], cache)
         if logit_index is not None:
             x = x.gather(1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
         return self.head(self.norm(x))

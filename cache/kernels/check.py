@@ -118,7 +118,7 @@ def cache_case(device, dtype, backend="paged", windows=(None, 7), T=3, seed=0, *
                 rand(B, Hkv, positions.shape[1], D)) for _ in windows]
         for c, sink in zip(caches, (got, want)):
             c.prepare(positions, valid)
-            outs = [c.attend(layer, *qkv[layer], positions.to(device)) for layer in range(len(windows))]
+            outs = [c.attend(layer, *qkv[layer]) for layer in range(len(windows))]
             if keep:
                 sink.append(torch.stack(outs))
     pos = torch.arange(50).expand(B, -1)

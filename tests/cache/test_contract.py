@@ -57,7 +57,7 @@ class History:
                 for t in range(T):
                     if valid[b, t]:
                         self.kv[layer, b, int(positions[b, t])] = (k[b, :, t], v[b, :, t])
-            results.append((q, self.cache.attend(layer, q, k, v, positions)))
+            results.append((q, self.cache.attend(layer, q, k, v)))
         return results
 
     def forget_after(self, lengths):

@@ -15,9 +15,9 @@ def layout(n_layers=2, n_kv=2, head_dim=2, windows=None, dtype=torch.float32):
                        softmax_scale=head_dim**-0.5)
 
 
-def feed(cache, layer, n_q, k, v, positions):
+def feed(cache, layer, n_q, k, v):
     q = torch.randn(k.shape[0], n_q, k.shape[2], k.shape[3])
-    return q, cache.attend(layer, q, k, v, positions)
+    return q, cache.attend(layer, q, k, v)
 
 
 def test_design_worked_bytes():
@@ -36,7 +36,7 @@ def test_write_then_read_back():
     k, v = torch.randn(2, 2, 4, 2), torch.randn(2, 2, 4, 2)
     pos = torch.arange(3, 7).expand(2, -1)
     c.prepare(pos)
-    feed(c, 0, 2, k, v, pos)
+    feed(c, 0, 2, k, v)
     torch.testing.assert_close(c.k[0][:, :, 3:7], k, rtol=0, atol=0)
     torch.testing.assert_close(c.v[0][:, :, 3:7], v, rtol=0, atol=0)
     assert c.lengths.tolist() == [7, 7]
@@ -67,12 +67,12 @@ def test_attention_matches_plain_reference(window, q_len):
     # row 0 has 6 tokens cached, row 1 has 9 (mixed lengths); then q_len new ones each
     hist_k, hist_v = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
     c.prepare(torch.arange(9).expand(2, -1), valid=torch.arange(9)[None] < torch.tensor([[6], [9]]))
-    c.attend(0, torch.randn(2, 4, 9, 8), hist_k, hist_v, torch.arange(9).expand(2, -1))
+    c.attend(0, torch.randn(2, 4, 9, 8), hist_k, hist_v)
     assert c.lengths.tolist() == [6, 9]
     pos = c.lengths[:, None] + torch.arange(q_len)  # [B, T]
     k, v = torch.randn(2, 2, q_len, 8), torch.randn(2, 2, q_len, 8)
     c.prepare(pos)
-    q, out = feed(c, 0, 4, k, v, pos)
+    q, out = feed(c, 0, 4, k, v)
     all_k, all_v = c.k[0], c.v[0]
     kpos = torch.arange(16).expand(2, -1)
     expect = plain_attention(q, all_k, all_v, pos, kpos, window, lay.softmax_scale)
@@ -98,12 +98,12 @@ def test_truncate_then_continue_overwrites():
     c = DenseCache(layout(n_layers=1), 1, 10)
     pos = torch.arange(6)[None]
     c.prepare(pos)
-    feed(c, 0, 2, torch.randn(1, 2, 6, 2), torch.randn(1, 2, 6, 2), pos)
+    feed(c, 0, 2, torch.randn(1, 2, 6, 2), torch.randn(1, 2, 6, 2))
     c.truncate([4])
     assert c.lengths.tolist() == [4]
     new_k = torch.randn(1, 2, 1, 2)
     c.prepare(torch.tensor([[4]]))
-    feed(c, 0, 2, new_k, new_k, torch.tensor([[4]]))
+    feed(c, 0, 2, new_k, new_k)
     assert c.lengths.tolist() == [5]
     torch.testing.assert_close(c.k[0][:, :, 4:5], new_k, rtol=0, atol=0)
 

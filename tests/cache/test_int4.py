@@ -36,7 +36,7 @@ def fill(cache, k, v, positions, valid=None):
     B, H, T, D = k.shape
     cache.prepare(positions, valid)
     q = torch.randn(B, 2 * H, T, D)
-    return [cache.attend(layer, q, k, v, positions) for layer in range(cache.layout.n_layers)]
+    return [cache.attend(layer, q, k, v) for layer in range(cache.layout.n_layers)]
 
 
 def columns(t: torch.Tensor, g: Grouping) -> torch.Tensor:
@@ -204,7 +204,7 @@ def run_schedule(c, K, V, Q, pattern):
         pos = torch.arange(L, L + t)[None]
         c.prepare(pos)
         for layer in range(c.layout.n_layers):
-            out = c.attend(layer, q[None], k[None], v[None], pos)
+            out = c.attend(layer, q[None], k[None], v[None])
             got.update({(layer, L + j): out[0, :, j] for j in range(keep)})
         c.truncate([L + keep])
     return got
@@ -260,7 +260,7 @@ def test_long_forward_attends_in_query_chunks():
         c = QuantizedCache(layout(n_layers=2, windows=(8, None)), 2, 80, residual=4, group_size=32, rollback=4)
         c.attention_chunk = chunk
         c.prepare(pos, valid)
-        outs.append([c.attend(layer, q, k, v, pos) for layer in range(2)])
+        outs.append([c.attend(layer, q, k, v) for layer in range(2)])
         slots.append(sum(view.S * (view.b - view.a) for view in c._plan.views[None]))
         assert len(c._plan.views[None]) == (1 if chunk == 256 else 5)
     for layer in range(2):

@@ -34,7 +34,7 @@ def step(cache, positions: torch.Tensor, valid=None, seed: int = 0) -> list[torc
     for layer in range(lay.n_layers):
         q = torch.randn(B, 2 * lay.n_kv_heads, T, lay.head_dim, generator=g)
         k, v = (torch.randn(B, lay.n_kv_heads, T, lay.head_dim, generator=g) for _ in range(2))
-        outs.append(cache.attend(layer, q, k, v, positions))
+        outs.append(cache.attend(layer, q, k, v))
     return outs
 
 

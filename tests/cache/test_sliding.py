@@ -139,7 +139,7 @@ def test_padding_queries_stay_finite_with_softcap():
     pos = torch.arange(23).expand(2, -1)
     c.prepare(pos, pos < torch.tensor([[5], [23]]))
     q, k = torch.randn(2, 4, 23, 8), torch.randn(2, 2, 23, 8)
-    assert bool(torch.isfinite(c.attend(0, q, k, k, pos)).all())
+    assert bool(torch.isfinite(c.attend(0, q, k, k)).all())
     assert c.read(0, 0)[0].tolist() == list(range(5))  # padding never written
 
 
@@ -185,7 +185,7 @@ class PlainWindowCache(DenseCache):
         super().__init__(layout, batch_size, capacity)
         self.w, self.sinks = window, sinks
 
-    def attend(self, layer, q, k, v, positions):
+    def attend(self, layer, q, k, v):
         self._write(layer, k, v)
         qp = self._qpos[:, :, None]  # [B, T, 1]
         kp = torch.arange(int(self._qpos.max()) + 1)[None, None]  # [1, 1, S]
