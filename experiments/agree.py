@@ -71,17 +71,7 @@ def option_problems(cfg: DictConfig) -> list[str]:
             p.append(f"setups lists a name twice: {list(names)}")
     if cfg.reference not in REFERENCES:
         p.append(f"reference must be one of {list(REFERENCES)}, got {cfg.reference!r}")
-    if not _is_int(cfg.forced_tokens) or cfg.forced_tokens < 1:
-        p.append(f"forced_tokens must be an integer >= 1, got {cfg.forced_tokens!r}")
-    if not _is_int(cfg.free_tokens) or cfg.free_tokens < 0:
-        p.append(f"free_tokens must be an integer >= 0 (0: no free-running check), got {cfg.free_tokens!r}")
-    if cfg.get("threads") is not None and not (_is_int(cfg.threads) and cfg.threads >= 1):
-        p.append(f"threads must be null (torch's default) or an integer >= 1, got {cfg.threads!r}")
-    return p
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return p + harness.int_problems(cfg, {"forced_tokens": 1, "free_tokens": 0, "threads": 1})
 
 
 def _is_number(v) -> bool:

@@ -60,12 +60,7 @@ NOT_HASHED = ("hydra", "redo", "progress", "name")  # change nothing that is mea
 def check(cfg: DictConfig):
     """Every problem of the run options, the setup and the workload, together; returns
     the validated workload."""
-    reasons: list[str] = []
-    for key, lo in (("max_new_tokens", 1), ("batch_size", 1)):
-        if not isinstance(cfg[key], int) or cfg[key] < lo:
-            reasons.append(f"{key} must be an integer >= {lo}, got {cfg[key]!r}")
-    if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
-        reasons.append(f"threads must be null or an integer >= 1, got {cfg.threads!r}")
+    reasons = harness.int_problems(cfg, {"max_new_tokens": 1, "batch_size": 1, "threads": 1})
     if cfg.compare_transformers and cfg.batch_size != 1:
         reasons.append("compare_transformers times transformers' generate() one prompt at a time: use batch_size=1")
     workload = None

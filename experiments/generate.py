@@ -26,7 +26,7 @@ from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
-from decodelab.models.errors import SetupError
+from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR
 
 log = logging.getLogger("decodelab.generate")
@@ -60,15 +60,9 @@ def read_prompt(cfg: DictConfig) -> str:
 
 
 def check_request(cfg: DictConfig, text: str) -> None:
-    p = []
-    if not text.strip():
-        p.append("the prompt is empty: give some text")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        p.append(f"max_new_tokens must be an integer >= 1, got {cfg.max_new_tokens}")
-    if cfg.prefill_chunk is not None and (not isinstance(cfg.prefill_chunk, int) or cfg.prefill_chunk < 1):
-        p.append(f"prefill_chunk must be null or an integer >= 1, got {cfg.prefill_chunk}")
-    if p:
-        raise SetupError(p)
+    p = [] if text.strip() else ["the prompt is empty: give some text"]
+    raise_if(p + harness.int_problems(cfg, {"max_new_tokens": 1, "prefill_chunk": 1, "threads": 1},
+                                      nullable=("prefill_chunk", "threads")))
 
 
 def report(result, out=None) -> None:

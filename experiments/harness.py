@@ -133,6 +133,16 @@ def declared(spec, trait: str, default=False):
     return getattr(get_object(target), trait, default) if target else default
 
 
+def int_problems(cfg, minimums: dict[str, int], nullable: tuple[str, ...] = ("threads",)) -> list[str]:
+    """Each option of `cfg` an integer >= its minimum (or null, where that is allowed)."""
+    out = []
+    for key, lo in minimums.items():
+        v = cfg.get(key)
+        if not (v is None and key in nullable) and not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
+            out.append(f"{key} must be {'null or ' * (key in nullable)}an integer >= {lo}, got {v!r}")
+    return out
+
+
 def model_problems(spec, key: str = "model") -> list[str]:
     """The non-architecture options of a conf/model spec (weights, matmul)."""
     from decodelab.models.loading import model_option_problems

@@ -172,9 +172,7 @@ def check(cfg: DictConfig) -> None:
     if cfg.part == "kv_speed":
         known = sorted(f.stem for f in (CONF_DIR / "cache").glob("*.yaml"))
         p += [f"backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.backends if b not in known]
-    for key in ("repeats", "steps", "prompts", "forced_tokens"):
-        if not (isinstance(cfg[key], int) and cfg[key] >= 1):
-            p.append(f"{key} must be an integer >= 1, got {cfg[key]!r}")
+    p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads"), 1))
     p += harness.model_problems(cfg.model)
     raise_if(p)
 

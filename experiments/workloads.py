@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from decodelab.experiments.harness import write_jsonl
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import _source_key, cache_root
 
@@ -93,12 +93,7 @@ def sharegpt_jsonl() -> tuple[Path, dict]:
     records, dropped_chars = recover_records(src)
     pairs = [_first_exchange(r) for r in records]
     pairs = [p for p in pairs if p is not None]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w") as fh:
-        for p in pairs:
-            fh.write(json.dumps(p) + "\n")
-    tmp.rename(out)
+    write_jsonl(out, pairs)
     meta = {"complete_records": len(records), "partial_records_dropped": 1 if dropped_chars else 0,
             "dropped_chars": dropped_chars, "with_human_then_reply": len(pairs),
             "without_human_then_reply": len(records) - len(pairs)}
