@@ -22,11 +22,11 @@ setup: $(STAMP)
 # the main job: every cache backend x {greedy, speculative with a self-draft} on a few
 # ShareGPT prompts of the embedded SmolLM2-135M, then the comparison table and plots
 run: setup
-	$(BIN)/python -m decodelab.experiments.bench -m experiment=compare $(ARGS)
+	$(BIN)/decodelab-bench -m experiment=compare $(ARGS)
 
 # stream one chat reply from the default model
 generate: setup
-	$(BIN)/python -m decodelab.experiments.generate prompt="Explain in two sentences what a KV cache is." $(ARGS)
+	$(BIN)/decodelab-generate prompt="Explain in two sentences what a KV cache is." $(ARGS)
 
 # the default test run (real-model checks are marked slow and excluded)
 test: setup
@@ -40,7 +40,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow" $(ARGS)
 
 baseline: setup
-	$(BIN)/python -m decodelab.experiments.baseline $(ARGS)
+	$(BIN)/decodelab-bench -m experiment=baseline $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun

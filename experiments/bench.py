@@ -216,6 +216,7 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
     agree = [r["agreement"] for r in recs if r["agreement"]]
     mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
     metrics = {
+        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in recs),
         "ttft_ms": statistics.median(r["ttft_ms"] for r in recs),
         **{f"itl_p{q}_ms": percentile(itl, q) for q in (50, 95, 99)},
         "decode_tok_s": dec_tokens / dec_s if dec_s else None,

@@ -38,13 +38,18 @@ METRIC_FIELDS = ("ttft_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "decode_to
                  "mean_accepted", "alpha", "predicted_speedup", "agree_top1", "agree_kl",
                  "agree_max_abs_dlogit")
 # the comparison the main job prints; `model`/`workload` are prepended when they vary
-MAIN_COLUMNS = ("name", "cache", "decoder", "draft", "gamma", "ttft_ms", "itl_p50_ms", "decode_tok_s",
+MAIN_COLUMNS = ("name", "cache", "decoder", "draft", "gamma", "prompt_tokens", "ttft_ms", "itl_p50_ms", "decode_tok_s",
                 "kv_mib", "agree_top1", "agree_kl", "acceptance_rate", "speedup_vs_greedy")
+# columns of the side-by-side comparisons, shown when some run made them
+SIDE_BY_SIDE = ("greedy_identical", "c_verify", "predicted_this_hw", "efficiency", "hf_ttft_ms",
+                "hf_decode_tok_s", "decode_speedup_vs_hf", "same_tokens_as_hf")
 HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "itl_p95_ms": "ITL p95 ms",
            "itl_p99_ms": "ITL p99 ms", "decode_tok_s": "decode tok/s", "prompt_tok_s": "prompt tok/s",
            "kv_mib": "KV MiB", "kv_mib_formula": "KV MiB (formula)", "agree_top1": "top-1 vs dense",
            "agree_kl": "KL vs dense", "agree_max_abs_dlogit": "max |dlogit|", "acceptance_rate": "acceptance",
-           "speedup_vs_greedy": "speedup vs greedy"}
+           "speedup_vs_greedy": "speedup vs greedy", "prompt_tokens": "prompt tokens (median)",
+           "hf_decode_tok_s": "HF decode tok/s", "decode_speedup_vs_hf": "decode x HF", "hf_ttft_ms": "HF TTFT ms",
+           "same_tokens_as_hf": "same tokens as HF", "predicted_this_hw": "predicted (measured costs)"}
 MIB = 2**20
 ITL_BINS = 20
 
@@ -179,9 +184,10 @@ def fmt(v) -> str:
 
 
 def default_columns(rows: list[dict]) -> list[str]:
-    """MAIN_COLUMNS, preceded by `model` and `workload` when the rows do not share one."""
+    """MAIN_COLUMNS, preceded by `model` and `workload` when the rows do not share one, and
+    followed by the side-by-side columns some row has."""
     varying = [k for k in ("model", "workload") if len({r.get(k) for r in rows}) > 1]
-    return varying + list(MAIN_COLUMNS)
+    return varying + list(MAIN_COLUMNS) + [k for k in SIDE_BY_SIDE if any(r.get(k) is not None for r in rows)]
 
 
 def entry_columns(entry: str, rows: list[dict]) -> list[str]:
