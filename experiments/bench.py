@@ -34,7 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -49,7 +48,7 @@ from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
 from decodelab.models.reference import hf_model_for
 from decodelab.models.errors import SetupError, raise_if
-from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.models.loading import instantiate_unwrapped
 
 log = logging.getLogger("decodelab.bench")
 RESULTS = harness.RESULTS
@@ -326,13 +325,7 @@ class ReportCallback(Callback):
         print(f"results: {root}/**/{RESULTS}\nreport: " + ", ".join(str(p) for p in paths.values()))
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg, harness.output_dir())
-    except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+main = harness.hydra_app("config", run)
 
 
 def cli() -> None:

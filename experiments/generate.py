@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from decodelab.decoding.generate import generate
@@ -27,7 +26,6 @@ from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
 from decodelab.models.errors import SetupError, raise_if
-from decodelab.models.loading import CONF_DIR
 
 log = logging.getLogger("decodelab.generate")
 
@@ -139,13 +137,7 @@ def emit(cfg: DictConfig, result, conditions: dict, streamed: bool) -> None:
     log.info("conditions: %s", conditions)
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+main = harness.hydra_app("config", lambda cfg, out: run(cfg))
 
 
 def with_quiet_hydra(argv: list[str]) -> list[str]:

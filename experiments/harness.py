@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -228,6 +229,21 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def hydra_app(config_name: str, run):
+    """The Hydra app of an entry point: `run(cfg, output directory)`; a SetupError (a bad
+    option or input) prints every reason and exits 2, with no traceback."""
+    import hydra
+
+    @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)
+    def main(cfg: DictConfig) -> None:
+        try:
+            run(cfg, output_dir())
+        except SetupError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    return main
 
 
 def output_dir() -> Path:

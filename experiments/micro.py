@@ -25,7 +25,6 @@ import sys
 from contextlib import nullcontext
 from functools import partial
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
@@ -193,13 +192,7 @@ def run(cfg: DictConfig, out) -> list[dict]:
     return rows
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="micro")
-def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg, harness.output_dir())
-    except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+main = harness.hydra_app("micro", run)
 
 
 if __name__ == "__main__":
