@@ -66,6 +66,13 @@ def percentile(sorted_s: list[float], q: float) -> float | None:
 
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work before a clock is read (a GPU runs asynchronously:
+    an unsynchronized clock times the launches, not the work); a no-op on a CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), tokenizer=None) -> None:
     """Every problem with a generation request, raised together before any forward."""
     p = []
@@ -164,6 +171,7 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), tuple(stop), tokenizer, on_token, t0)
     t_prefill = time.perf_counter()
     logits = prefill(model, cache, prompts, prefill_chunk)
+    sync(model.device)
     prefill_s = time.perf_counter() - t_prefill
     last = decoder.start(logits)  # [B]
     for b, t in enumerate(last.tolist()):

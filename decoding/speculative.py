@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from decodelab.decoding.generate import sync
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
 from decodelab.models.errors import raise_if
 
@@ -194,12 +195,14 @@ class SpeculativeDecoder:
         G, B = self.gamma, last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)
         draft, q = self.drafter.propose(last, G, self.params, self.generator)  # [B, G], [B, G, V]
+        sync(model.device)  # the split draft / verify / other times the work, not its launch
         t1 = time.perf_counter()
         L = cache.lengths.clone()
         ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
         positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
         valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
         logits = model(ids, positions, cache, valid=valid)  # [B, G + 1, V]
+        sync(model.device)
         t2 = time.perf_counter()
         if self.params.greedy:  # one-hot p and q: sum_x min(p, q) is 1 iff the draft is the argmax
             best = logits.argmax(-1)  # [B, G + 1]

@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.base import CacheLayout
+from decodelab.decoding.generate import sync
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -84,12 +85,6 @@ def cpu_name() -> str:
 
 
 # -- timing ---------------------------------------------------------------------------------
-def sync(device) -> None:
-    """Wait for the device's queued work (a no-op on a CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Timer:
     """`with timer: ...` adds one interval to `timer.seconds`, synchronizing the device
     before the clock starts and before it stops."""
