@@ -193,7 +193,7 @@ def test_speculative_sampling_matches_plain_sampling_distribution():
 def test_leviathan_formula():
     assert leviathan_speedup(1.0, 4, 0.0) == 5.0
     assert leviathan_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
-    assert leviathan_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / 0.2 / 1.4)
+    assert leviathan_speedup(0.8, 4, 0.1) == pytest.approx(2.4011428571)  # 0.67232 / 0.2 = 3.3616 tokens, / 1.4
     assert leviathan_speedup(0.5, 2, 0.1, verify_cost=2.0) == pytest.approx(1.75 / 2.2)  # verify = 2 steps
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from decodelab.experiments.bench import RESULTS, config_hash, run
+from decodelab.experiments.bench import RESULTS, config_hash, run, vs_greedy, vs_transformers
 from decodelab.experiments.report import load_runs
 from decodelab.models.loading import CONF_DIR
 
@@ -134,10 +134,7 @@ def test_batch_rows_and_side_by_side_greedy(tmp_path, prompts):
     assert [r["prompt_id"] for r in recs] == ["prompts-0", "prompts-1"]
     assert all(r["greedy"]["identical"] for r in recs)  # greedy speculative == greedy, row by row
     m = s["metrics"]
-    assert m["greedy_identical"] == 1.0 and m["speedup_vs_greedy"] > 0
-    assert m["efficiency"] == pytest.approx(m["speedup_vs_greedy"] / m["predicted_this_hw"])
-    g, c, v = 4, m["c_draft"], m["c_verify"]  # the decoder's default gamma; costs in plain decode steps
-    assert v > 0 and m["predicted_leviathan"] / m["predicted_this_hw"] == pytest.approx((g * c + v) / (g * c + 1))
+    assert m["greedy_identical"] == 1.0 and m["speedup_vs_greedy"] > 0 and m["c_verify"] > 0
     assert s["conditions"]["batch"] == 2 and s["setup"]["cache"] == "decodelab.cache.paged.PagedCache"  # not under Hydra: the target
 
 
@@ -150,10 +147,29 @@ def test_side_by_side_with_transformers_generate(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / RESULTS).read_text().splitlines()[:-1]]
     assert [r["transformers"]["new_tokens"] for r in recs] == [5, 5] and m["new_tokens"] == 10
     assert m["same_tokens_as_hf"] == 1.0 and all(r["transformers"]["identical"] for r in recs)
-    assert m["hf_decode_tok_s"] > 0 and m["hf_ttft_ms"] > 0
-    assert m["decode_speedup_vs_hf"] == pytest.approx(m["decode_tok_s"] / m["hf_decode_tok_s"])
+    assert m["hf_decode_tok_s"] > 0 and m["hf_ttft_ms"] > 0 and m["decode_speedup_vs_hf"] > 0
     bad = bench(*TINY, "compare_transformers=true", "batch_size=2")
     assert bad.returncode == 2 and "use batch_size=1" in bad.stderr
+
+
+def test_side_by_side_figures_by_hand():
+    """vs_greedy and vs_transformers on made-up records, every figure worked out by hand:
+    a plain step is 2.0 s / 10 steps = 0.2 s, so c_draft = 0.16 / 8 / 0.2 = 0.1 and
+    c_verify = 0.8 / 2 / 0.2 = 2; alpha 0.5 at gamma 4 gives (1 - 0.5^5) / 0.5 = 1.9375
+    tokens per call: Leviathan 1.9375 / 1.4, with the measured verify cost 1.9375 / 2.4."""
+    recs = [{"decode_s": 1.0, "greedy": {"decode_s": 2.0, "new_tokens": 11, "identical": True},
+             "spec_stats": {"target_calls": 2, "mean_gamma": 4, "time_draft_s": 0.16, "time_verify_s": 0.8,
+                            "alpha": 0.5}}]
+    m = vs_greedy(recs)
+    assert m["speedup_vs_greedy"] == 2.0 and m["greedy_identical"] == 1.0
+    assert m["c_draft"] == pytest.approx(0.1) and m["c_verify"] == pytest.approx(2.0)
+    assert m["predicted_leviathan"] == pytest.approx(1.383929, rel=1e-6)
+    assert m["predicted_this_hw"] == pytest.approx(0.807292, rel=1e-6)
+    assert m["efficiency"] == pytest.approx(2.477419, rel=1e-6)
+    hf = vs_transformers([{"decode_s": 0.4, "new_tokens": 5, "ttft_ms": 10.0, "transformers": {
+        "decode_s": 0.8, "new_tokens": 5, "ttft_ms": 20.0, "identical": True}}], 0.4)
+    assert hf == {"hf_ttft_ms": 20.0, "hf_decode_tok_s": 5.0, "same_tokens_as_hf": 1.0, "decode_speedup_vs_hf": 2.0,
+                  "ttft_ours_over_hf": 0.5}
 
 
 def test_config_hash_ignores_bookkeeping_only():

@@ -29,7 +29,8 @@ def test_generate_streams_and_reports(capsys):
     assert len(r.tokens[0]) == 6
     assert out == r.text[0]  # stdout: the streamed text, nothing else
     assert "TTFT" in err and "ITL p50" in err and "tok/s" in err  # the summary: stderr
-    assert f"formula {r.kv['kv_bytes_formula']:,} B" in err and "allocated" in err
+    # tiny-llama: 2 x 2 layers x 2 kv heads x 16 dims x 4 bytes = 512 bytes per token
+    assert f"formula {512 * r.kv['kv_tokens']:,} B" in err and "allocated" in err
 
 
 def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
+from decodelab.cache.base import CacheLayout
 from decodelab.experiments import harness
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
@@ -27,14 +28,34 @@ def test_every_cache_decoder_combination_checks_and_builds(cache, decoder, tiny_
     harness.check(cfg)
     lm = tiny_models["llama"]
     factory, dec = harness.build(cfg, lm)
-    assert callable(factory) and hasattr(dec, "step")
+    built = factory(CacheLayout.of(lm.model), 1, 16)  # the class each yaml's _target_ names
+    assert type(built).__name__ == {"dense": "DenseCache", "paged": "PagedCache", "int4": "QuantizedCache",
+                                    "sliding": "SlidingCache"}[cache]
+    assert type(dec).__name__ == {"greedy": "SamplingDecoder", "sampling": "SamplingDecoder",
+                                  "speculative": "SpeculativeDecoder"}[decoder]
+    assert dec.needs_drafter == (decoder == "speculative") and dec.lookahead == (5 if dec.needs_drafter else 0)
+    if dec.needs_drafter:  # the draft caches through the setup's own backend
+        assert dec.drafter.cache_factory is factory
 
 
 @pytest.mark.parametrize("draft", names("draft"))
 def test_every_draft_builds(draft, tiny_models):
     overrides = ["decoder=speculative", f"draft={draft}"] + (["draft.layers=1"] if draft == "early-exit" else [])
-    _, dec = harness.build(config(*overrides), tiny_models["llama"])
-    assert dec.drafter is not None
+    target = tiny_models["llama"]
+    _, dec = harness.build(config(*overrides), target)
+    d = dec.drafter
+    if draft == "prompt-lookup":
+        assert (d.min_ngram, d.max_ngram) == (1, 3)
+        return
+    quantized = [m for m in d.model.modules() if type(m).__module__.startswith("optimum.quanto")]
+    assert bool(quantized) == draft.endswith("-self")  # a quanto copy of the target's projections
+    if draft == "early-exit":
+        assert d.model.n_layers == 1 and d.model.model is target.model  # the target's own first layer
+    if draft == "model":  # conf/draft/model.yaml's tiny-llama (SmolLM2's 49152 ids): this 256-id target refuses it
+        assert d.model is not target.model and d.model.cfg.vocab_size == 49152
+        assert "vocabulary of 49152 tokens, the target 256" in d.problems(target.model, 1, 4)[0]
+    else:
+        assert d.problems(target.model, 1, 4) == []
 
 
 def test_bad_config_lists_every_reason():
@@ -130,8 +151,9 @@ def test_precheck_lists_unknown_groups_keys_and_bad_values_together(capsys):
     assert "gamma must be an integer >= 1, got 0" in err
 
 
-def test_precheck_lets_a_good_config_through():
+def test_precheck_lets_a_good_config_through(capsys):
     from decodelab.experiments.bench import check
     from decodelab.experiments.cli import precheck
 
     precheck(["cache=paged", "decoder=speculative", "decoder.gamma=3", "-m", "cache.block_size=32"], "config", check)
+    assert capsys.readouterr().err == ""  # returned (no exit), nothing reported
