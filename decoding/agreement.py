@@ -110,7 +110,10 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, tokens: list[int] | 
     KL(ref || other), max |logit difference|; with the `tokens` [N] actually fed, the
     first position whose token differs from the reference's argmax (None: none does)."""
     lp, lq = ref_logits.log_softmax(-1), logits.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)  # [N]
+    p, q = lp.exp(), lq.exp()
+    # KL = sum_x p log(p / q) - p + q (the added terms sum to 0); each term is >= 0 in exact
+    # arithmetic, so clamping the terms keeps rounding from making the KL negative
+    kl = (p * (lp - lq) - p + q).clamp_min(0).sum(-1)  # [N]
     out = {"top1": (ref_logits.argmax(-1) == logits.argmax(-1)).float().mean().item(), "kl": kl.mean().item(),
            "max_abs_dlogit": (ref_logits - logits).abs().max().item(), "positions": int(ref_logits.shape[0])}
     if tokens is not None:
