@@ -26,6 +26,12 @@ together, because the layout decides the kernel. Per forward the model calls:
   is finite and meaningless.
 
 Between forwards, `read`, `truncate`, `reset` and `nbytes` serve decoders and experiments.
+Whatever else a higher layer needs from a backend is a capability declared here, with a
+default that works for every backend or refuses with the reason (`refusal`: a SetupError
+naming the backend): `static_view()` (fixed-shape storage for a compiled decode step),
+`fill_random(n_tokens, seed)` (random K/V for kernel checks and benchmarks) and
+`read_bytes(context)` (bytes one decode step reads). Nothing outside `cache/` reads a
+backend's private state or asks its type.
 """
 
 from __future__ import annotations
@@ -62,6 +68,26 @@ class CacheLayout:
         """K and V of one token over all layers: 2 x layers x kv_heads x head_dim x bytes."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class StaticView:
+    """A cache's storage at fixed shapes, for a decode step replayed as a CUDA graph
+    (decoding/compiled.py): every layer's K and V as the heads-major block pools the paged
+    kernels read (cache/kernels/paged.py), and the block table of every row on the device.
+    The pools are views of the cache's own storage: writes into them land in the cache."""
+
+    k: list[torch.Tensor]  # per layer [Hkv, N, bs, D]: key blocks
+    v: list[torch.Tensor]  # per layer [Hkv, N, bs, D]: value blocks
+    table: torch.Tensor  # [B, M] int32 on the device: block of row b's positions [i * bs, (i + 1) * bs)
+    block_size: int  # bs
+    host_table: torch.Tensor | None = None  # [B, M] the cache's table, edited in place by `prepare`; None: fixed
+
+    def refresh(self) -> None:
+        """Host -> device: the block table as the cache's last `prepare` left it (the blocks
+        it allocated); nothing to do for a fixed table. Call it before every step."""
+        if self.host_table is not None:
+            self.table.copy_(self.host_table, non_blocking=True)
 
 
 def attention_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor | None:
@@ -189,10 +215,48 @@ class KVCache:
         """Bytes this cache really allocated."""
         raise NotImplementedError
 
+    # -- capabilities: what decoders, experiments and kernels may ask of any backend ------
+    def refusal(self, what: str, why: str) -> SetupError:
+        """The error for a capability this backend lacks, naming it and saying why."""
+        return SetupError(f"the {type(self).__name__} backend cannot {what}: {why}")
+
+    def static_view(self) -> StaticView:
+        """Its storage at fixed shapes, for the static (CUDA-graph) decode step: per-layer
+        K/V block pools [Hkv, N, bs, D] and a [B, M] block table on the device. Default:
+        refused (a backend whose storage shape changes on the host cannot offer one)."""
+        raise self.refusal("give a fixed-shape view for the static decode step",
+                           "it declares no fixed-shape storage")
+
+    def fill_random(self, n_tokens: int, seed: int = 0) -> None:
+        """Forget every row, then make each hold positions [0, n_tokens) of random K/V
+        (standard normal, drawn on the cache's device from `seed`), with the bookkeeping a
+        prefill of them leaves: for kernel checks and benchmarks, whose speed does not
+        depend on the values. Default: one forward of random q, k, v through `prepare`
+        and `attend` (its attention is computed and dropped); backends with plain storage
+        draw it directly instead."""
+        self.reset()
+        lay, g = self.layout, torch.Generator(device=self.layout.device).manual_seed(seed)
+        self.prepare(torch.arange(n_tokens).expand(self.batch_size, -1))
+        shape = (self.batch_size, lay.n_kv_heads, n_tokens, lay.head_dim)  # [B, Hkv, T, D]
+        for layer in range(lay.n_layers):
+            q, k, v = (torch.randn(shape, generator=g, device=lay.device).to(lay.dtype) for _ in range(3))
+            self.attend(layer, q, k, v)
+
+    def read_bytes(self, context: int) -> int:
+        """K/V bytes one decode step reads when every row holds `context` tokens: each
+        layer's visible tokens (at most its window), K and V, every row, in the layout's
+        dtype (2 x Hkv x D x bytes per token and layer). Backends that store K/V in another
+        form override it."""
+        lay = self.layout
+        elem = torch.empty((), dtype=lay.dtype).element_size()
+        tokens = sum(min(context, self.window(layer) or context) for layer in range(lay.n_layers))
+        return self.batch_size * tokens * 2 * lay.n_kv_heads * lay.head_dim * elem
+
     def theoretical_bytes(self) -> int:
         """2 x layers x kv_heads x tokens x head_dim x bytes, tokens summed over rows."""
         return int(self.lengths.sum()) * self.layout.bytes_per_token()
 
     def memory_report(self) -> dict:
+        """Bytes allocated, bytes by the formula and tokens held (backends add their own)."""
         return {"kv_bytes_allocated": self.nbytes(), "kv_bytes_formula": self.theoretical_bytes(),
                 "kv_tokens": int(self.lengths.sum())}

@@ -7,12 +7,18 @@ slots inside their window (exact Gemma 3), but all layers keep full storage.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from decodelab.cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from decodelab.cache.base import (CacheLayout, KVCache, StaticView, attention_mask, is_plain_causal,
+                                  reference_attention)
+from decodelab.cache.kernels.paged import dense_as_pool
 
 
 class DenseCache(KVCache):
+    """One [B, Hkv, capacity, D] K and V buffer per layer; slot p holds position p."""
+
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
         super().__init__(layout, batch_size, capacity)
         shape = (batch_size, layout.n_kv_heads, capacity, layout.head_dim)
@@ -54,14 +60,37 @@ class DenseCache(KVCache):
         return self._masks[window]
 
     def attend(self, layer, q, k, v):
+        """Write k, v [B, Hkv, T, D] at their positions; attend q [B, Hq, T, D] over the
+        slots this forward's window reads."""
         self._write(layer, k, v)
         lo, hi, mask, causal = self._span(self.layout.windows[layer])
         keys, values = self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
         return reference_attention(q, keys, values, mask, self.layout.softmax_scale, self.layout.softcap, causal)
 
     def read(self, layer, row):
+        """Positions [n], k and v [Hkv, n, D]: the row's slots [0, n)."""
         n = int(self.lengths[row])
         return torch.arange(n), self.k[layer][row, :, :n], self.v[layer][row, :, :n]
 
     def nbytes(self) -> int:
+        """The preallocated buffers: K and V, every layer, every row, the whole capacity."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- capabilities (cache/base.py) ----------------------------------------------
+    def static_view(self) -> StaticView:
+        """Each layer's [B, Hkv, S, D] buffer read as a pool of blocks of its own rows (a
+        strided view, no copy) with a fixed identity block table; blocks of
+        gcd(capacity, 64) slots."""
+        bs = math.gcd(self.capacity, 64)
+        k, table = zip(*(dense_as_pool(t, bs) for t in self.k))  # [Hkv, N, bs, D] each, [B, S / bs]
+        v = [dense_as_pool(t, bs)[0] for t in self.v]
+        return StaticView(list(k), v, table[0], bs)
+
+    def fill_random(self, n_tokens: int, seed: int = 0) -> None:
+        """Forget every row, then give each positions [0, n_tokens): `prepare` books them
+        and slots [0, n_tokens) of every layer are drawn directly (no attention runs)."""
+        self.reset()
+        self.prepare(torch.arange(n_tokens).expand(self.batch_size, -1))
+        g = torch.Generator(device=self.layout.device).manual_seed(seed)
+        for t in self.k + self.v:
+            t[:, :, :n_tokens].normal_(generator=g)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decodelab.cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
+from decodelab.cache.base import (CacheLayout, KVCache, StaticView, attention_mask, is_plain_causal,
+                                  reference_attention)
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
 from decodelab.models.errors import SetupError, raise_if
@@ -139,7 +140,8 @@ class PagedCache(KVCache):
         self.v = [t.transpose(0, 1) for t in self._vh]
         self._kflat = [t.view(-1, layout.head_dim) for t in self._kh]  # [Hkv * N * bs, D]
         self._vflat = [t.view(-1, layout.head_dim) for t in self._vh]
-        self.table = torch.full((batch_size, math.ceil(capacity / block_size)), -1, dtype=torch.long)  # [B, M]
+        # [B, M] block of each row's positions [i * bs, (i + 1) * bs), -1: none; only ever edited in place
+        self.table = torch.full((batch_size, math.ceil(capacity / block_size)), -1, dtype=torch.long)
         self.alloc = BlockAllocator(n)
         self.prefix_reused_tokens = 0
 
@@ -415,6 +417,26 @@ class PagedCache(KVCache):
     def nbytes(self) -> int:
         """The whole pool: K and V, every layer, every block (allocated up front)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # -- capabilities (cache/base.py) ----------------------------------------------
+    def static_view(self) -> StaticView:
+        """The heads-major pools as they are and a device copy of the block table, which
+        `refresh` updates from the host table after each `prepare` allocated blocks."""
+        table = self.table.to(self.layout.device, torch.int32)  # [B, M]
+        return StaticView(list(self._kh), list(self._vh), table, self.block_size, self.table)
+
+    def fill_random(self, n_tokens: int, seed: int = 0) -> None:
+        """Forget every row, then give each positions [0, n_tokens): `prepare` allocates
+        their blocks and those blocks are drawn directly (no attention runs); blocks no row
+        maps keep their content and any prefix they cache."""
+        self.reset()
+        self.prepare(torch.arange(n_tokens).expand(self.batch_size, -1))
+        blocks = self.table[self.table >= 0].unique().to(self.layout.device)  # [nb]
+        g = torch.Generator(device=self.layout.device).manual_seed(seed)
+        lay = self.layout
+        for pool in self._kh + self._vh:  # [Hkv, N, bs, D]
+            pool[:, blocks] = torch.randn(lay.n_kv_heads, len(blocks), self.block_size, lay.head_dim, generator=g,
+                                          device=lay.device, dtype=lay.dtype)
 
     def memory_report(self) -> dict:
         """Base report plus blocks in use, their bytes, their unused share, prefix reuse."""

@@ -312,6 +312,32 @@ class SlidingCache(DenseCache):
         for sp in self.slot_pos.values():
             sp.fill_(-1)
 
+    # -- capabilities (cache/base.py) ------------------------------------------------
+    def static_view(self):
+        """Dense's view when no layer has a ring (every layer is full storage); else refused."""
+        if all(r is None for r in self._rings):
+            return super().static_view()
+        raise self.refusal("give a fixed-shape view for the static decode step",
+                           "sliding plans its ring writes and reads on the host each step (which slot holds "
+                           "which position moves with the window)")
+
+    def fill_random(self, n_tokens: int, seed: int = 0) -> None:
+        """Forget every row, then give each positions [0, n_tokens) and draw every layer's
+        storage (no attention runs). Only what a ring can still hold is planned: the sinks,
+        then the last ring + 1 positions, in chunks of 256 so that each ring read's mask
+        stays [B, 1, 256, window + 256]; full layers hold every position, as in dense."""
+        self.reset()
+        ring = max((r for r in self._rings if r is not None), default=None)
+        start = 0 if ring is None else max(0, n_tokens - ring - 1)
+        start = 0 if start <= self.sink_tokens else start
+        spans = [(0, self.sink_tokens)] if start and self.sink_tokens else []
+        spans += [(s, min(s + 256, n_tokens)) for s in range(start, n_tokens, 256)]
+        for lo, hi in spans:
+            self.prepare(torch.arange(lo, hi).expand(self.batch_size, -1))
+        g = torch.Generator(device=self.layout.device).manual_seed(seed)
+        for t in self.k + self.v:  # [B, Hkv, slots, D]
+            t.normal_(generator=g)
+
     def memory_report(self) -> dict:
         """The shared report plus this setup's label (exact or APPROXIMATE)."""
         return {**super().memory_report(), "kv_label": self.label}
