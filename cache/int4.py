@@ -1,13 +1,10 @@
 """`int4`: KIVI-style quantized K/V (optimum-quanto qint4 / qint2) behind a full-precision
 residual window, with a visibility rule that depends on positions only.
 
-Blocks. Position p of a row lies in block j = p // F (F = `flush` tokens). A block is
-quantized as a whole and from its own K/V only: a per-channel group is `group_size`
-consecutive tokens (F is a multiple of it, blocks start at multiples of F), a per-token
-group lies inside one token. Groups of `group_size` elements share a scale and a shift
-(affine, MaxOptimizer): keys per channel, values per token (the KIVI axes), both
-configurable. So a block's codes, scales and shifts are a pure function of its K/V
-values: re-quantizing the same values after a rollback gives the same bytes.
+Blocks. Position p of a row lies in block j = p // F (F = `flush` tokens, a multiple of
+a per-channel group). A block is quantized as a whole and from its own K/V only (the
+codec, cache/int4_codec.py: keys per channel, values per token by default, the KIVI
+axes), so re-quantizing the same values after a rollback gives the same bytes.
 
 The visibility rule. A query at position q sees block j dequantized iff
     (j + 1) * F + residual <= q + 1,
@@ -28,20 +25,24 @@ scale the other way for such a value; the logits then differ by about that one s
 (measured 4e-4 on tiny_gemma at 80 tokens, none on tiny_llama) - the same kind of
 near-tie risk plain greedy already takes between two float-rounding-different runs.
 
-Storage, per layer and row (the counts Qs and P0 are per row, the same in every layer):
-- the quantized store holds blocks [0, Qs): quanto's packed codes, scales and shifts,
-  one growing tensor each (never a list of blocks); scales and shifts in `scale_dtype`
-  (fp16 by default: fp32 ones alone would cost 1/16 of a bf16 cache at group 64);
-- the exact store holds positions [P0, len) in the layout's dtype, P0 <= Qs, both
-  multiples of F. Blocks [P0, Qs) are held in both forms (counted by `nbytes`).
+Storage, per layer and row (the counts Qs = `quantized_len` and P0 = `exact_start` are
+per row [B], the same in every layer; the codec is cache/int4_codec.py):
+- the quantized store (`key_codes`, `value_codes`) holds blocks [0, Qs): quanto's packed
+  codes, scales and shifts, one growing tensor each (never a list of blocks); scales and
+  shifts in `scale_dtype` (fp16 by default: fp32 ones alone would cost 1/16 of a bf16
+  cache at group 64);
+- the exact store (`key_exact`, `value_exact`, [Hkv, len - P0, D]) holds positions
+  [P0, len) in the layout's dtype, P0 <= Qs, both multiples of F. Blocks [P0, Qs) are
+  held in both forms (counted by `nbytes`).
 Padding is never stored; rows may hold different lengths.
 
 One forward (all of it planned once, in `prepare`):
 1. store: append the row's new K/V to its exact store, then quantize the blocks its
    latest query sees quantized and the store lacks: Qs <- max(Qs, V(len - 1)).
-2. attend: keys = [dequantized blocks [lo, Qa) ..., exact positions [fs, q_last] ...] per
-   row (lo: the window's first aligned group; Qa = V(q_last); fs = the smallest V(q) of
-   the queries), with a per-query mask that picks exactly one version of every position:
+2. attend: keys = [dequantized positions [dequant_from, dequant_to) ..., exact positions
+   [exact_from, exact_to) ...] per row (a `View`: dequant_from is the window's first
+   aligned group, dequant_to = V(last query), exact_from = the smallest V(q) of the
+   queries, exact_to = last query + 1), with a per-query mask that picks exactly one version of every position:
    the dequantized one iff p < V(q). A forward of more than `attention_chunk` queries (a
    long prefill) does this per chunk of queries, so each chunk reads only the keys it
    needs. Nothing dequantized is kept between calls (no fp mirror: that would give the
@@ -70,122 +71,19 @@ in both forms, and `nbytes` counts both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from decodelab.cache.base import CacheLayout, KVCache, is_plain_causal, reference_attention
+from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
-from decodelab.cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
+from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_triton
 from decodelab.models.errors import SetupError, raise_if
 
-QTYPES = {4: "qint4", 2: "qint2"}  # nbits -> optimum-quanto qtype (imported on first use: 2.5 s)
 GROUP_SIZES = (32, 64, 128)
 AXES = ("channel", "token")
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass
-class QStore:
-    """One row's quantized K or V in one layer: quanto's packed codes, scales and shifts,
-    laid out so that unpacking yields [H, tokens, D] directly (see `Grouping`)."""
-
-    data: torch.Tensor  # uint8, the group dims with the packed dim (R = group x bits / 8) at `pdim`
-    scale: torch.Tensor  # same dims, 1 at `pdim`;  x ~= scale * q + offset
-    offset: torch.Tensor  # quanto's shift, negated (the group minimum), so dequantizing is one addcmul
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.data, self.scale, self.offset
-
-
-class Grouping:
-    """How K or V of one row is cut into groups of `size` elements along `axis`.
-
-    channel: a group is `size` consecutive tokens of one channel: data [H, N/G, R, D],
-             scales [H, N/G, 1, D]; unpacked along dim 2 -> [H, N/G, G, D] = [H, N, D].
-    token:   a group is `size` consecutive channels of one token: data [H, N, D/G, R],
-             scales [H, N, D/G, 1]; unpacked along dim 3 -> [H, N, D/G, G] = [H, N, D].
-    Dim 1 grows with tokens. quanto packs a group's G codes into R bytes: bits
-    [b*i, b*(i+1)) of byte r hold code r + i*R.
-    """
-
-    def __init__(self, axis: str, size: int, bits: int):
-        self.axis, self.size, self.bits = axis, size, bits
-        self.pdim = 2 if axis == "channel" else 3  # where a group's codes lie
-        self.per = size if axis == "channel" else 1  # tokens per index along dim 1
-
-    def columns(self, x: torch.Tensor) -> torch.Tensor:
-        """x [H, N, D] -> [G, C]: one group per column, columns in the order of `groups`."""
-        H, N, D = x.shape
-        G = self.size
-        if self.axis == "channel":
-            return x.reshape(H, N // G, G, D).permute(2, 0, 1, 3).reshape(G, -1)  # columns (h, j, d)
-        return x.reshape(H, N, D // G, G).permute(3, 0, 1, 2).reshape(G, -1)  # columns (h, t, i)
-
-    def groups(self, H: int, N: int, D: int) -> tuple[int, int, int]:
-        return (H, N // self.size, D) if self.axis == "channel" else (H, N, D // self.size)
-
-    def place(self, t: torch.Tensor, H: int, N: int, D: int) -> torch.Tensor:
-        """quanto's [R or 1, C] -> the store layout (the packed dim moved to `pdim`)."""
-        return t.reshape(t.shape[0], *self.groups(H, N, D)).movedim(0, self.pdim).contiguous()
-
-    def empty(self, H: int, D: int, dtype: torch.dtype, device) -> QStore:
-        R = self.size * self.bits // 8
-        return QStore(self.place(torch.empty(R, 0, dtype=torch.uint8, device=device), H, 0, D),
-                      self.place(torch.empty(1, 0, dtype=dtype, device=device), H, 0, D),
-                      self.place(torch.empty(1, 0, dtype=dtype, device=device), H, 0, D))
-
-    def tokens(self, s: QStore) -> int:
-        return s.data.shape[1] * self.per
-
-    def append(self, s: QStore, new: QStore) -> QStore:
-        return QStore(*(torch.cat((a, b), 1) for a, b in zip(s.tensors(), new.tensors())))
-
-    def span(self, s: QStore, t0: int, t1: int) -> QStore:
-        """The groups of tokens [t0, t1) (both multiples of `per`), a view."""
-        i, j = t0 // self.per, t1 // self.per
-        return QStore(*(t[:, i:j] for t in s.tensors()))
-
-    def cut(self, s: QStore, t1: int) -> QStore:
-        """The groups of tokens [0, t1) in storage of their own (the rest is freed)."""
-        return QStore(*(t[:, :t1 // self.per].clone() for t in s.tensors()))
-
-    def region(self, row: torch.Tensor, n: int) -> torch.Tensor:
-        """Tokens [0, n) of a buffer row [H, S, D], viewed as the unpacked groups."""
-        G = self.size
-        return row[:, :n].unflatten(1, (n // G, G)) if self.axis == "channel" else row[:, :n].unflatten(2, (-1, G))
-
-
-def quantize(x: torch.Tensor, g: Grouping, scale_dtype: torch.dtype) -> QStore:
-    """Quantize x [H, N, D] with optimum-quanto (MaxOptimizer, affine, `g.size` groups).
-    Scales and shifts are rounded to `scale_dtype` first, so the codes match what is stored."""
-    from optimum import quanto
-    from optimum.quanto import MaxOptimizer, quantize_weight
-
-    qtype = getattr(quanto, QTYPES[g.bits])
-    m = g.columns(x).float()  # [G, C], codes computed in fp32 whatever the layout dtype
-    scale, shift = MaxOptimizer()(m, qtype, -1, g.size)  # [1, C] each; x ~= scale * q - shift
-    scale, shift = scale.to(scale_dtype), shift.to(scale_dtype)
-    q = quantize_weight(m, qtype, -1, scale.float(), shift.float(), g.size, optimized=False)
-    packed = q._data._data  # uint8 [R, C]: the bytes inside quanto's PackedTensor
-    return QStore(*(g.place(t, *x.shape) for t in (packed, scale, -shift)))
-
-
-def dequantize_into(out: torch.Tensor, s: QStore, g: Grouping) -> None:
-    """out (float, the unpacked group layout; may be a view) <- scale * unpack(data) + offset."""
-    mask = (1 << g.bits) - 1
-    planes = [s.data & mask] + [(s.data >> b) & mask for b in range(g.bits, 8 - g.bits, g.bits)]
-    codes = torch.cat(planes + [s.data >> (8 - g.bits)], g.pdim)  # the group's codes in order
-    scale, offset = s.scale.to(out.dtype), s.offset.to(out.dtype)
-    if g.pdim == out.dim() - 1:  # per-token scales broadcast innermost, where addcmul is slow
-        torch.mul(codes, scale, out=out).add_(offset)
-    else:
-        torch.addcmul(offset, codes, scale, out=out)
-
-
-def effective_group(axis: str, group_size: int, head_dim: int) -> int:
-    """Per token, a group never spans heads: a group_size above head_dim means one group per head."""
-    return min(group_size, head_dim) if axis == "token" else group_size
 
 
 def option_problems(layout: CacheLayout, nbits, group_size, residual, key_axis, value_axis, flush,
@@ -219,16 +117,18 @@ def option_problems(layout: CacheLayout, nbits, group_size, residual, key_axis, 
 
 @dataclass
 class View:
-    """The keys that the queries in columns [a, b) of the current forward read, in one window's layers."""
+    """The keys that the queries in columns [query_from, query_to) of the current forward
+    read, in one window's layers: per row, dequantized positions [dequant_from, dequant_to)
+    then exact positions [exact_from, exact_to), in `slots` key slots."""
 
-    a: int
-    b: int
-    lo: list[int]  # per row: first dequantized position (a multiple of the group alignment)
-    qa: list[int]  # per row: end of the dequantized positions
-    fs: list[int]  # per row: first exact position read
-    hi: list[int]  # per row: end of the exact positions (the last query + 1)
-    S: int  # key slots: [dequantized lo..qa) then [exact fs..hi), -1 padded
-    mask: torch.Tensor | None  # [B, 1, b - a, S] True = attend; None: every slot
+    query_from: int
+    query_to: int
+    dequant_from: list[int]  # [B] first dequantized position (a multiple of the group alignment)
+    dequant_to: list[int]  # [B] end of the dequantized positions
+    exact_from: list[int]  # [B] first exact position read
+    exact_to: list[int]  # [B] end of the exact positions (the last query + 1)
+    slots: int  # S key slots: dequantized then exact, -1 padded
+    mask: torch.Tensor | None  # [B, 1, query_to - query_from, S] True = attend; None: every slot
     causal: bool  # the square lower triangle (SDPA's is_causal fast path)
     ragged: bool  # some slots stay empty (they must hold finite values)
 
@@ -237,12 +137,14 @@ class View:
 class Plan:
     """One forward, per row: what `attend` stores, quantizes, reads and drops in every layer."""
 
-    new: list[int]  # valid new tokens
-    p0: list[int]  # first position of the exact store before this forward
-    q_from: list[int]  # quantize blocks [q_from, q_to) before the attention
-    q_to: list[int]
-    drop: list[int]  # exact tokens dropped from the store's front after the attention
+    new_tokens: list[int]  # [B] valid new tokens
+    exact_start: list[int]  # [B] first position of the exact store before this forward
+    quantize_from: list[int]  # [B] quantize blocks [quantize_from, quantize_to) before the attention
+    quantize_to: list[int]
+    drop: list[int]  # [B] exact tokens dropped from the store's front after the attention
     views: dict  # window -> [View], one per chunk of query columns
+    stored: set = field(default_factory=set)  # layers that stored this forward's K/V
+    dropped: set = field(default_factory=set)  # layers that dropped their exact copies since
 
 
 class QuantizedCache(KVCache):
@@ -271,29 +173,32 @@ class QuantizedCache(KVCache):
         self.residual, self.flush, self.nbits = residual, flush, nbits
         self.scale_dtype = SCALE_DTYPES[scale_dtype]
         D = layout.head_dim
-        self.kg = Grouping(key_axis, effective_group(key_axis, group_size, D), nbits)
-        self.vg = Grouping(value_axis, effective_group(value_axis, group_size, D), nbits)
-        self.align = max(self.kg.per, self.vg.per)  # a window starts dequantizing at a multiple
-        self._plan: Plan | None = None
+        self.key_grouping = Grouping(key_axis, effective_group(key_axis, group_size, D), nbits)
+        self.value_grouping = Grouping(value_axis, effective_group(value_axis, group_size, D), nbits)
+        # a window starts dequantizing at a multiple of this many tokens
+        self.align = max(self.key_grouping.tokens_per_index, self.value_grouping.tokens_per_index)
         self.reset()
 
     def __repr__(self) -> str:
-        return (f"QuantizedCache(qint{self.nbits}, group={self.kg.size}/{self.vg.size}, residual={self.residual}, "
-                f"flush={self.flush}, rollback={self.rollback_limit}, key_axis={self.kg.axis}, "
-                f"value_axis={self.vg.axis})")
+        kg, vg = self.key_grouping, self.value_grouping
+        return (f"QuantizedCache(qint{self.nbits}, group={kg.size}/{vg.size}, residual={self.residual}, "
+                f"flush={self.flush}, rollback={self.rollback_limit}, key_axis={kg.axis}, value_axis={vg.axis})")
 
     def reset(self) -> None:
-        """Forget every row: empty quantized and exact stores."""
+        """Forget every row: empty quantized and exact stores, no forward planned."""
         super().reset()
         L, B, H, D = self.layout.n_layers, self.batch_size, self.layout.n_kv_heads, self.layout.head_dim
         kw = dict(dtype=self.layout.dtype, device=self.layout.device)
         sd, dev = self.scale_dtype, self.layout.device
-        self.kq = [[self.kg.empty(H, D, sd, dev) for _ in range(B)] for _ in range(L)]
-        self.vq = [[self.vg.empty(H, D, sd, dev) for _ in range(B)] for _ in range(L)]
-        self.kr = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]  # [H, len - P0, D] each
-        self.vr = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
-        self.qs = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
-        self.p0 = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
+        kg, vg = self.key_grouping, self.value_grouping
+        self.key_codes = [[kg.empty(H, D, sd, dev) for _ in range(B)] for _ in range(L)]  # [layer][row] QStore
+        self.value_codes = [[vg.empty(H, D, sd, dev) for _ in range(B)] for _ in range(L)]
+        self.key_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]  # [H, len - P0, D] each
+        self.value_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
+        self.quantized_len = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
+        self.exact_start = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
+        self._plan: Plan | None = None
+        self._kernel_q: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- the rule ------------------------------------------------------------------
     def quantized_prefix(self, q):
@@ -321,24 +226,25 @@ class QuantizedCache(KVCache):
         qeff = torch.where(ok, pos, L[:, None] - 1)  # [B, T] padding queries act as the row's last
         vis = self.quantized_prefix(qeff)  # [B, T] V(q)
         # quantize what the latest query sees quantized (and anything only held quantized)
-        q_to = torch.maximum(self.qs, self.quantized_prefix(L - 1))
-        p0_new = torch.maximum(self.p0, torch.minimum(q_to, self.quantized_prefix(L - self.rollback_limit)))
+        q_to = torch.maximum(self.quantized_len, self.quantized_prefix(L - 1))
+        p0_new = torch.maximum(self.exact_start,
+                               torch.minimum(q_to, self.quantized_prefix(L - self.rollback_limit)))
         C = self.attention_chunk
         views = {w: [self._view(w, qeff[:, a:a + C], vis[:, a:a + C], a) for a in range(0, T, C)]
                  for w in set(self.layout.windows)}
-        self._plan = Plan(n.tolist(), self.p0.tolist(), self.qs.tolist(), q_to.tolist(), (p0_new - self.p0).tolist(),
-                          views)
-        self.qs, self.p0 = q_to, p0_new  # what every layer holds once this forward is done
+        self._plan = Plan(n.tolist(), self.exact_start.tolist(), self.quantized_len.tolist(), q_to.tolist(),
+                          (p0_new - self.exact_start).tolist(), views)
+        self.quantized_len, self.exact_start = q_to, p0_new  # what every layer holds once this forward is done
         kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C)  # decode-sized: one view, the kernel
-        self._kernel_q = kernel_queries(self) if kernel else None  # ([B, T] positions, their V(q))
+        self._kernel_q = self.kernel_queries() if kernel else None  # ([B, T] positions, their V(q))
 
     def _view(self, window, qeff, vis, a: int) -> View:
         """Key slots of every row for the queries qeff [B, t] (columns a..a+t) in one window,
         and the mask that picks, per query, the dequantized version of positions below V(q)
         and the exact one from V(q) on (exactly one version of every visible position)."""
         first, last = qeff.min(1).values, qeff.max(1).values  # [B] earliest and latest query of each row
-        qa = torch.maximum(self.quantized_prefix(last), self.p0)  # below p0 positions are only held quantized
-        fs = torch.maximum(self.p0, vis.min(1).values)  # exact positions below fs: no query here reads them
+        qa = torch.maximum(self.quantized_prefix(last), self.exact_start)  # below P0: only held quantized
+        fs = torch.maximum(self.exact_start, vis.min(1).values)  # exact positions below fs: no query reads them
         hi = last + 1
         if window is None:
             lo = torch.zeros_like(qa)
@@ -369,75 +275,133 @@ class QuantizedCache(KVCache):
         [B, Hq, T, D] with the version of every key its position calls for; then drop the
         exact copies that no query can need any more."""
         self._store(layer, k, v)
-        outs = []
-        for view in self._plan.views[self.layout.windows[layer]]:  # one, unless the forward is long
-            if self._kernel_q is not None:
-                outs.append(int4_attention_triton(q, cache_rows(self, layer, view), *self._kernel_q,
-                                                  self.layout.softmax_scale, self.layout.windows[layer],
-                                                  self.layout.softcap))
-                continue
-            kbuf, vbuf = self._gather(layer, view)
-            outs.append(reference_attention(q[:, :, view.a:view.b], kbuf, vbuf, view.mask, self.layout.softmax_scale,
-                                            self.layout.softcap, view.causal))
+        out = self.attention(layer, q)
         self._flush(layer)
+        return out
+
+    def attention(self, layer: int, q: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+        """Attention [B, Hq, T, D] of this forward's queries q [B, Hq, T, D] over what `layer`
+        holds, each key in the version its position calls for: the read half of `attend`,
+        repeatable, storing nothing. Valid once this forward's `attend` stored the layer's
+        K/V (`attend` calls it in between). `impl`: 'reference' (dequantize into scratch
+        buffers, then SDPA) or 'triton' (cache/kernels/int4.py); None: the cache's own choice."""
+        if impl not in (None, self.impl):
+            raise_if(impl_problems(impl, self.layout.device))
+        views = self._views(layer)
+        kernel = self._kernel_q is not None if impl is None else resolve_impl(impl, self.layout.device) == "triton"
+        lay, outs = self.layout, []
+        for chunk, view in enumerate(views):  # one, unless the forward is long
+            cols = slice(view.query_from, view.query_to)
+            if kernel:
+                qpos, vis = self._kernel_q if self._kernel_q is not None else self.kernel_queries()
+                outs.append(int4_attention_triton(q[:, :, cols], self.kernel_rows(layer, chunk), qpos[:, cols],
+                                                  vis[:, cols], lay.softmax_scale, lay.windows[layer], lay.softcap))
+                continue
+            keys, values = self._gather(layer, view)  # [B, Hkv, S, D] each
+            outs.append(reference_attention(q[:, :, cols], keys, values, view.mask, lay.softmax_scale, lay.softcap,
+                                            view.causal))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append each row's valid new tokens k, v [B, H, T, D] to its exact store; quantize
-        the blocks [q_from, q_to) (one quanto call, the same bytes as block by block)."""
+        the blocks [quantize_from, quantize_to) (one quanto call, the same bytes as block by block)."""
         p = self._plan
-        for b, n in enumerate(p.new):
-            for g, qs, rs, x in ((self.kg, self.kq, self.kr, k), (self.vg, self.vq, self.vr, v)):
+        for b, n in enumerate(p.new_tokens):
+            start, q_from, q_to = p.exact_start[b], p.quantize_from[b], p.quantize_to[b]
+            for g, codes, exact, x in ((self.key_grouping, self.key_codes, self.key_exact, k),
+                                       (self.value_grouping, self.value_codes, self.value_exact, v)):
                 if n:
-                    rs[layer][b] = torch.cat((rs[layer][b], x[b, :, :n]), 1)
-                if p.q_to[b] > p.q_from[b]:
-                    new = rs[layer][b][:, p.q_from[b] - p.p0[b]:p.q_to[b] - p.p0[b]]
-                    qs[layer][b] = g.append(qs[layer][b], quantize(new, g, self.scale_dtype))
+                    exact[layer][b] = torch.cat((exact[layer][b], x[b, :, :n]), 1)
+                if q_to > q_from:
+                    new = exact[layer][b][:, q_from - start:q_to - start]  # [H, q_to - q_from, D]
+                    codes[layer][b] = g.append(codes[layer][b], quantize(new, g, self.scale_dtype))
+        p.stored.add(layer)
 
     def _flush(self, layer: int) -> None:
         """Drop the exact copies of blocks no future query can need (fresh storage: freed)."""
         for b, d in enumerate(self._plan.drop):
             if d:
-                self.kr[layer][b] = self.kr[layer][b][:, d:].clone()
-                self.vr[layer][b] = self.vr[layer][b][:, d:].clone()
+                self.key_exact[layer][b] = self.key_exact[layer][b][:, d:].clone()
+                self.value_exact[layer][b] = self.value_exact[layer][b][:, d:].clone()
+        self._plan.dropped.add(layer)
 
     # -- reading -------------------------------------------------------------------
+    def _views(self, layer: int) -> list[View]:
+        """The views of this forward in the layer's window; refused before a forward stored it."""
+        if self._plan is None or layer not in self._plan.stored:
+            raise SetupError(f"layer {layer} of the int4 cache holds no K/V of a prepared forward: call "
+                             "prepare(positions) and attend(layer, q, k, v) before reading its attention")
+        return self._plan.views[self.layout.windows[layer]]
+
+    def _exact_starts(self, layer: int, view: View) -> list[int]:
+        """Per row, the position the layer's exact store starts at now (the forward's drop may
+        have run), checked to hold every exact position the view reads."""
+        dropped = layer in self._plan.dropped
+        starts = self.exact_start.tolist() if dropped else self._plan.exact_start
+        for b, (lo, hi, start) in enumerate(zip(view.exact_from, view.exact_to, starts)):
+            if hi > lo and lo < start:
+                raise SetupError(f"layer {layer}, row {b}: the exact keys of positions [{lo}, {start}) this forward "
+                                 "reads were dropped at the end of its attend (it spans more than rollback + 1 tokens)")
+        return starts
+
     def _gather(self, layer: int, view: View):
         """Scratch K and V buffers [B, H, S, D] of every row: dequantized blocks, then exact tokens."""
         B, H, D = self.batch_size, self.layout.n_kv_heads, self.layout.head_dim
         new = torch.zeros if view.ragged else torch.empty  # masked slots must be finite (0 x nan = nan)
         kw = dict(dtype=self.layout.dtype, device=self.layout.device)
-        kbuf, vbuf = new(B, H, view.S, D, **kw), new(B, H, view.S, D, **kw)
+        kbuf, vbuf = new(B, H, view.slots, D, **kw), new(B, H, view.slots, D, **kw)
+        starts = self._exact_starts(layer, view)
         for b in range(B):
-            lo, qa, fs, e, p0 = view.lo[b], view.qa[b], view.fs[b], view.hi[b], self._plan.p0[b]
-            for g, qs, rs, buf in ((self.kg, self.kq, self.kr, kbuf), (self.vg, self.vq, self.vr, vbuf)):
+            lo, qa, fs, e, p0 = (view.dequant_from[b], view.dequant_to[b], view.exact_from[b], view.exact_to[b],
+                                 starts[b])
+            for g, codes, exact, buf in ((self.key_grouping, self.key_codes, self.key_exact, kbuf),
+                                         (self.value_grouping, self.value_codes, self.value_exact, vbuf)):
                 if qa > lo:
-                    dequantize_into(g.region(buf[b], qa - lo), g.span(qs[layer][b], lo, qa), g)
+                    dequantize_into(g.region(buf[b], qa - lo), g.span(codes[layer][b], lo, qa), g)
                 if e > fs:
-                    buf[b, :, qa - lo:qa - lo + e - fs].copy_(rs[layer][b][:, fs - p0:e - p0])
+                    buf[b, :, qa - lo:qa - lo + e - fs].copy_(exact[layer][b][:, fs - p0:e - p0])
         return kbuf, vbuf
+
+    def kernel_rows(self, layer: int, chunk: int = 0) -> Int4Rows:
+        """One layer's stores and the key spans that chunk `chunk` of this forward's queries
+        reads (a single chunk unless the forward is longer than `attention_chunk`), as the
+        int4 kernels take them (cache/kernels/int4.py). Valid once the layer's `attend` ran."""
+        view = self._views(layer)[chunk]
+        return Int4Rows(self.key_codes[layer], self.value_codes[layer], self.key_exact[layer],
+                        self.value_exact[layer], self._exact_starts(layer, view), self.key_grouping,
+                        self.value_grouping, view.dequant_from, view.dequant_to, view.exact_from, view.exact_to)
+
+    def kernel_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's query positions [B, T] (a padding query acts as its row's last, as
+        in the plan) and their V(q) [B, T], int32 on the cache's device: the kernels' qpos, vis."""
+        if self._plan is None:
+            raise SetupError("the int4 cache has no forward prepared: call prepare(positions) first")
+        qeff = torch.where(self._valid, self._qpos, self.lengths[:, None] - 1)  # [B, T]
+        dev = self.layout.device
+        return qeff.to(dev, torch.int32), self.quantized_prefix(qeff).to(dev, torch.int32)
 
     def read(self, layer, row):
         """positions [N], k and v [Hkv, N, D]: the quantized blocks dequantized, then the
         exact tokens (what the row holds; a query at position q sees `quantized_prefix(q)`)."""
         n, H, D = int(self.lengths[row]), self.layout.n_kv_heads, self.layout.head_dim
-        qs, p0 = int(self.qs[row]), int(self.p0[row])
+        qs, p0 = int(self.quantized_len[row]), int(self.exact_start[row])
         out = []
-        for g, qst, rs in ((self.kg, self.kq, self.kr), (self.vg, self.vq, self.vr)):
+        for g, codes, exact in ((self.key_grouping, self.key_codes, self.key_exact),
+                                (self.value_grouping, self.value_codes, self.value_exact)):
             buf = torch.empty(H, n, D, dtype=self.layout.dtype, device=self.layout.device)  # [H, N, D]
             if qs:
-                dequantize_into(g.region(buf, qs), g.span(qst[layer][row], 0, qs), g)
-            buf[:, qs:].copy_(rs[layer][row][:, qs - p0:n - p0])
+                dequantize_into(g.region(buf, qs), g.span(codes[layer][row], 0, qs), g)
+            buf[:, qs:].copy_(exact[layer][row][:, qs - p0:n - p0])
             out.append(buf)
         return torch.arange(n), out[0], out[1]
 
     def quantized_tokens(self, row: int, layer: int = 0) -> int:
         """How many of a row's oldest tokens the quantized store holds (Qs)."""
-        return self.kg.tokens(self.kq[layer][row])
+        return self.key_grouping.tokens(self.key_codes[layer][row])
 
     def exact_span(self, row: int) -> tuple[int, int]:
         """Positions [P0, len) the row holds in full precision."""
-        return int(self.p0[row]), int(self.lengths[row])
+        return int(self.exact_start[row]), int(self.lengths[row])
 
     # -- called by decoders --------------------------------------------------------
     def truncate(self, lengths) -> None:
@@ -446,16 +410,17 @@ class QuantizedCache(KVCache):
         new = torch.as_tensor(lengths, dtype=torch.long).cpu().reshape(-1)
         raise_if(self._truncate_problems(new))
         super().truncate(new)
+        self._plan = None  # the last forward's views no longer describe the rows
         for b, n in enumerate(new.tolist()):
-            qs, p0 = int(self.qs[b]), int(self.p0[b])
+            qs, p0 = int(self.quantized_len[b]), int(self.exact_start[b])
             keep = min(qs, n // self.flush * self.flush)
             for layer in range(self.layout.n_layers):
                 if keep < qs:
-                    self.kq[layer][b] = self.kg.cut(self.kq[layer][b], keep)
-                    self.vq[layer][b] = self.vg.cut(self.vq[layer][b], keep)
-                self.kr[layer][b] = self.kr[layer][b][:, :n - p0]
-                self.vr[layer][b] = self.vr[layer][b][:, :n - p0]
-            self.qs[b] = keep
+                    self.key_codes[layer][b] = self.key_grouping.cut(self.key_codes[layer][b], keep)
+                    self.value_codes[layer][b] = self.value_grouping.cut(self.value_codes[layer][b], keep)
+                self.key_exact[layer][b] = self.key_exact[layer][b][:, :n - p0]
+                self.value_exact[layer][b] = self.value_exact[layer][b][:, :n - p0]
+            self.quantized_len[b] = keep
 
     def _truncate_problems(self, new: torch.Tensor) -> list[str]:
         """Every reason a truncate is refused (the base checks and the exact-key floor)."""
@@ -471,7 +436,7 @@ class QuantizedCache(KVCache):
             p.append(f"rolling back {int(back.max())} tokens exceeds this cache's rollback_limit of "
                      f"{self.rollback_limit} (its `rollback` option)")
         for b, n in enumerate(new.tolist()):
-            v, p0 = self.quantized_prefix(n), int(self.p0[b])
+            v, p0 = self.quantized_prefix(n), int(self.exact_start[b])
             if v < p0 and back[b] <= self.rollback_limit:
                 p.append(f"row {b}: rollback to {n} would need the full-precision keys of positions [{v}, {p0}), "
                          "already dropped (only quantized now): after an earlier rollback and a shorter forward, "
@@ -481,28 +446,50 @@ class QuantizedCache(KVCache):
     def nbytes(self) -> int:
         """Bytes really allocated: packed codes, scales, shifts and the exact stores
         (blocks held in both forms counted twice)."""
-        stores = [t for layer in self.kq + self.vq for s in layer for t in s.tensors()]
-        exact = [t for layer in self.kr + self.vr for t in layer]
+        stores = [t for layer in self.key_codes + self.value_codes for s in layer for t in s.tensors()]
+        exact = [t for layer in self.key_exact + self.value_exact for t in layer]
         return sum(t.untyped_storage().nbytes() for t in stores + exact)
 
+    # -- capabilities (cache/base.py) ----------------------------------------------
+    def fill_random(self, n_tokens: int, seed: int = 0) -> None:
+        """Forget every row, then make each hold positions [0, n_tokens) of random K/V as a
+        one-pass prefill leaves them: quantized [0, V(n - 1)), exact from
+        P0 = min(Qs, V(n - rollback)); no attention runs. Per layer one draw [Hkv, n, D] is
+        quantized once and copied to every row (a long context then costs one quanto call
+        per layer and kind, not one per row)."""
+        self.reset()
+        KVCache.prepare(self, torch.arange(n_tokens).expand(self.batch_size, -1))  # lengths, capacity check
+        lay, B = self.layout, self.batch_size
+        qs = self.quantized_prefix(n_tokens - 1)
+        p0 = max(0, min(qs, self.quantized_prefix(n_tokens - self.rollback_limit)))
+        g = torch.Generator(device=lay.device).manual_seed(seed)
+        for layer in range(lay.n_layers):
+            for grouping, codes, exact in ((self.key_grouping, self.key_codes, self.key_exact),
+                                           (self.value_grouping, self.value_codes, self.value_exact)):
+                x = torch.randn(lay.n_kv_heads, n_tokens, lay.head_dim, generator=g, device=lay.device).to(lay.dtype)
+                q = quantize(x[:, :qs], grouping, self.scale_dtype) if qs else None  # [H, Qs, D] packed
+                for b in range(B):
+                    if q is not None:
+                        codes[layer][b] = QStore(*(t.clone() for t in q.tensors()))
+                    exact[layer][b] = x[:, p0:].clone()  # [H, n - P0, D]
+        self.quantized_len, self.exact_start = torch.full((B,), qs), torch.full((B,), p0)
 
-def fill_random(cache: QuantizedCache, tokens: int, seed: int = 0) -> None:
-    """Store `tokens` random K/V positions in every row and layer (no attention computed)."""
-    g = torch.Generator().manual_seed(seed)
-    lay = cache.layout
-    cache.prepare(torch.arange(tokens).expand(cache.batch_size, -1))
-    shape = (cache.batch_size, lay.n_kv_heads, tokens, lay.head_dim)
-    for layer in range(lay.n_layers):
-        k, v = (torch.randn(shape, generator=g).to(lay.dtype).to(lay.device) for _ in range(2))
-        cache._store(layer, k, v)
-        cache._flush(layer)
+    def read_bytes(self, context: int) -> int:
+        """Bytes a decode step reads: the stores as they are (`nbytes`; they hold `context`)."""
+        return self.nbytes()
+
+    def static_view(self):
+        """Refused: int4's storage has no fixed shape."""
+        raise self.refusal("give a fixed-shape view for the static decode step",
+                           "int4 grows per-row stores on the host each forward (quantized blocks and exact "
+                           "tokens appended per row), so its storage has no fixed shape")
 
 
 def bf16_ratio(layout: CacheLayout, context: int, **options) -> float:
     """Bytes a one-row cache with these options allocates at `context` tokens, over the
     bytes of a dense bf16 cache of the same context (2 x layers x heads x tokens x D x 2)."""
     cache = QuantizedCache(layout, 1, context, **options)
-    fill_random(cache, context)
+    cache.fill_random(context)
     dense = 2 * layout.n_layers * layout.n_kv_heads * context * layout.head_dim * 2
     return cache.nbytes() / dense
 

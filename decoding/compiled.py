@@ -9,24 +9,22 @@ happen, `cache.prepare` (lengths, the paged block allocation), before each repla
 the graph `StaticAttention` stands in for the cache: it writes the new K/V at device-side
 positions and attends with the block-table kernel (cache/kernels/paged.py) over storage
 of fixed shape, the whole capacity with a fixed split-K count, masked by each row's
-length. A dense cache [B, Hkv, S, D] is read as a pool of blocks of its own rows (an
-identity block table), so both backends share that one kernel (its torch reference off
-CUDA). Shapes never change, so one capture serves every step.
+length. The storage comes from the cache's `static_view()` (cache/base.py): per-layer
+block pools and a block table (a dense cache reads as a pool of blocks of its own rows,
+an identity table), so every backend that offers one shares that one kernel (its torch
+reference off CUDA). Shapes never change, so one capture serves every step.
 
-Supported: `dense` and `paged` (static storage). `int4` (per-row stores that grow on the
-host) and `sliding` (a host-side ring plan) are refused with that reason.
+Which caches can: those whose `static_view()` succeeds (dense and paged); the others
+refuse with their reason (int4: per-row stores that grow on the host; sliding: a
+host-side ring plan), collected by `static_problems` before anything is built.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from decodelab.cache.dense import DenseCache
 from decodelab.cache.kernels.dispatch import resolve_impl, split_count
-from decodelab.cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
-from decodelab.cache.paged import PagedCache
+from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
 from decodelab.models.errors import SetupError
 
 MODES = ("eager", "graph", "compile")
@@ -35,9 +33,10 @@ MODES = ("eager", "graph", "compile")
 def static_problems(cache, mode: str) -> list[str]:
     """Every reason the static decode step cannot run this cache in this mode."""
     p = []
-    if type(cache) not in (DenseCache, PagedCache):
-        p.append(f"the static decode step runs the dense and paged caches only, not {type(cache).__name__}: "
-                 "int4 grows per-row stores on the host and sliding plans its ring on the host each step")
+    try:  # the cache says whether it has fixed-shape storage, and why not
+        cache.static_view()
+    except SetupError as e:
+        p += e.reasons
     if mode not in MODES:
         p.append(f"mode must be one of {list(MODES)}, got {mode!r}")
     elif mode == "graph" and cache.layout.device.type != "cuda":
@@ -50,32 +49,26 @@ class StaticAttention:
 
     def __init__(self, cache, impl: str = "auto"):
         lay, B = cache.layout, cache.batch_size
-        self.cache, dev = cache, lay.device
+        self.layout, dev = lay, lay.device
+        self.storage = cache.static_view()  # per-layer pools [Hkv, N, bs, D] and a block table [B, M]
         self.attn = paged_attention_triton if resolve_impl(impl, dev) == "triton" else paged_attention_reference
         self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)  # [B, 1] input: each row's next position
-        if isinstance(cache, PagedCache):
-            self.bs, self.k, self.v = cache.block_size, cache._kh, cache._vh
-            self.table = cache.table.to(dev, torch.int32)  # [B, M] refreshed from the host before each step
-        else:
-            self.bs = math.gcd(cache.capacity, 64)
-            self.k = [dense_as_pool(t, self.bs)[0] for t in cache.k]
-            self.v = [dense_as_pool(t, self.bs)[0] for t in cache.v]
-            self.table = dense_as_pool(cache.k[0], self.bs)[1]  # [B, S / bs], fixed
-        self.splits = split_count(B * lay.n_kv_heads, self.table.shape[1] * self.bs, dev)
+        keys = self.storage.table.shape[1] * self.storage.block_size  # positions the table addresses
+        self.splits = split_count(B * lay.n_kv_heads, keys, dev)
         self.heads = torch.arange(lay.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
 
     def refresh(self) -> None:
-        """Host -> device: the paged block table after `cache.prepare` allocated blocks."""
-        if isinstance(self.cache, PagedCache):
-            self.table.copy_(self.cache.table, non_blocking=True)
+        """Host -> device: the block table after `cache.prepare` allocated blocks."""
+        self.storage.refresh()
 
     @torch.compiler.disable  # torch.compile (mode=compile) fuses the model around these; the cache
     def begin(self) -> None:  # writes stay plain in-place ops (a traced one would copy whole layers)
         """Per forward, on the device: lengths and the new token's storage slot per (row, head)."""
         pos = self.pos[:, 0]  # [B]
         self.kv_len = (pos + 1).to(torch.int32)  # the new token is written before attention
-        blk = self.table.gather(1, (pos // self.bs)[:, None]).long()  # [B, 1]
-        self.blk, self.off = blk[:, 0], pos % self.bs  # [B]
+        bs = self.storage.block_size
+        blk = self.storage.table.gather(1, (pos // bs)[:, None]).long()  # [B, 1]
+        self.blk, self.off = blk[:, 0], pos % bs  # [B]
 
     def prepare(self, positions, valid=None) -> None:
         """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
@@ -83,10 +76,11 @@ class StaticAttention:
     @torch.compiler.disable
     def attend(self, layer, q, k, v):
         """Write k, v [B, Hkv, 1, D] at each row's position; attend q [B, Hq, 1, D]."""
-        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+        k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]  # [Hkv, N, bs, D]
+        for pool, new in ((k_pool, k), (v_pool, v)):
             pool[self.heads, self.blk[:, None], self.off[:, None]] = new[:, :, 0]  # [B, Hkv, D]
-        lay = self.cache.layout
-        return self.attn(q, self.k[layer], self.v[layer], self.table, self.pos, self.kv_len, lay.softmax_scale,
+        lay = self.layout
+        return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
 
 

@@ -16,7 +16,8 @@ Sections of the report:
   tokens/s, bytes read per step (weights + K/V read) and that over the copy bandwidth;
 - attention: one layer's decode attention alone, per backend and impl, same grid;
 - verdicts: the issue's targets computed from the numbers above.
-Caches are filled with random K/V (no prefill: decode speed does not depend on values).
+Caches are filled with random K/V by their `fill_random` (no prefill: decode speed does not
+depend on values); bytes read per step come from their `read_bytes` (cache/base.py).
 """
 
 from __future__ import annotations
@@ -33,14 +34,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from decodelab.cache.base import CacheLayout, reference_attention
+from decodelab.cache.base import CacheLayout
 from decodelab.cache.dense import DenseCache
-from decodelab.cache.int4 import QStore, QuantizedCache, quantize
+from decodelab.cache.int4 import QuantizedCache
 from decodelab.cache.kernels.check import CASES, Case, int4_case, paged_case, run_cases
 from decodelab.cache.kernels.dispatch import impl_problems
-from decodelab.cache.kernels.int4 import cache_rows, int4_attention_triton, kernel_queries
 from decodelab.cache.paged import PagedCache
-from decodelab.cache.sliding import SlidingCache
 from decodelab.decoding.compiled import StaticDecoder
 from decodelab.decoding.text import make_cache
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped, random_model
@@ -155,42 +154,10 @@ def copy_bandwidth(device, mib: int) -> dict:
     return {"bytes_per_copy": n, "seconds": t, "GBps": 2 * n / t / 1e9, "counted": "bytes read + bytes written"}
 
 
-# -- filling caches without a prefill -----------------------------------------------------
+# -- caches ---------------------------------------------------------------------------
 def build_cache(name: str, model, batch: int, capacity: int, **overrides):
     spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "cache" / f"{name}.yaml"), overrides)
     return make_cache(model, batch, capacity, instantiate_unwrapped(spec))
-
-
-def fill(cache, ctx: int) -> None:
-    """Make every row hold positions [0, ctx) of random K/V, as a prefill would leave it."""
-    B = cache.batch_size
-    if isinstance(cache, QuantizedCache):
-        return fill_int4(cache, ctx)
-    start, step = 0, ctx
-    if isinstance(cache, SlidingCache):  # only the last ring matters; chunks keep its read masks small
-        start, step = max(0, ctx - max((r or 0) for r in cache._rings) - 1), 256
-    for s in range(start, ctx, step):
-        cache.prepare(torch.arange(s, min(s + step, ctx)).expand(B, -1))
-    store = cache._kh + cache._vh if isinstance(cache, PagedCache) else cache.k + cache.v
-    for t in store:
-        t.normal_()
-
-
-def fill_int4(cache: QuantizedCache, ctx: int) -> None:
-    """The stores a one-pass prefill of ctx tokens leaves (quantized [0, V(ctx-1)), exact
-    from P0), quantized once (layer 0, row 0) and copied to every row and layer."""
-    lay, B = cache.layout, cache.batch_size
-    x = [torch.randn(lay.n_kv_heads, ctx, lay.head_dim, device=lay.device).to(lay.dtype) for _ in range(2)]
-    qs = cache.quantized_prefix(ctx - 1)
-    p0 = max(0, min(qs, cache.quantized_prefix(ctx - cache.rollback_limit)))
-    kq, vq = (quantize(t[:, :qs], g, cache.scale_dtype) for t, g in zip(x, (cache.kg, cache.vg)))
-    for layer in range(lay.n_layers):
-        for b in range(B):
-            cache.kq[layer][b] = QStore(*(t.clone() for t in kq.tensors()))
-            cache.vq[layer][b] = QStore(*(t.clone() for t in vq.tensors()))
-            cache.kr[layer][b], cache.vr[layer][b] = x[0][:, p0:].clone(), x[1][:, p0:].clone()
-    cache.lengths = torch.full((B,), ctx, dtype=torch.long)
-    cache.qs, cache.p0 = torch.full((B,), qs), torch.full((B,), p0)
 
 
 # -- bytes ------------------------------------------------------------------------------
@@ -202,17 +169,6 @@ def weight_bytes(model, batch: int) -> int:
         e = model.embed.weight
         total -= (e.shape[0] - batch) * e.shape[1] * e.element_size()
     return total
-
-
-def kv_read_bytes(cache, ctx: int) -> int:
-    """K/V bytes one decode step reads: every visible token of every layer (int4: its
-    stores, codes + scales + exact)."""
-    if isinstance(cache, QuantizedCache):
-        return cache.nbytes()
-    lay = cache.layout
-    elem = torch.empty((), dtype=lay.dtype).element_size()
-    tokens = sum(min(ctx, cache.window(layer) or ctx) for layer in range(lay.n_layers))
-    return cache.batch_size * tokens * 2 * lay.n_kv_heads * lay.head_dim * elem
 
 
 # -- decode -----------------------------------------------------------------------------
@@ -241,7 +197,7 @@ def plain_step(model, cache):
 
 def speed(entry: dict, model, cache, ctx: int, seconds: float, copy_gbps: float | None) -> dict:
     B = cache.batch_size
-    w, kv = weight_bytes(model, B), kv_read_bytes(cache, ctx)
+    w, kv = weight_bytes(model, B), cache.read_bytes(ctx)
     gbps = (w + kv) / seconds / 1e9
     return entry | {"tokens_per_s": B / seconds, "step_ms": seconds * 1e3, "weight_bytes": w, "kv_bytes_read": kv,
                     "bytes_per_step": w + kv, "achieved_GBps": gbps,
@@ -260,7 +216,7 @@ def decode_grid(rep: Report, name: str, model, plan: dict, copy_gbps) -> None:
 def decode_backend(rep, name, model, plan, backend, impls, batch, ctx, copy_gbps) -> None:
     opts = {"sliding": plan["sliding"], "int4": plan["int4"]}.get(backend, {})
     cache = build_cache(backend, model, batch, ctx + 64, **opts)
-    fill(cache, ctx)
+    cache.fill_random(ctx)
     for impl in impls:
         entry = {"model": name, "batch": batch, "context": ctx, "backend": getattr(cache, "label", backend),
                  "impl": impl}
@@ -274,7 +230,7 @@ def decode_backend(rep, name, model, plan, backend, impls, batch, ctx, copy_gbps
 
 def compiled_entry(rep, name, model, plan, backend, ctx, mode, copy_gbps) -> None:
     cache = build_cache(backend, model, 1, -(-(ctx + 64) // 64) * 64)
-    fill(cache, ctx)
+    cache.fill_random(ctx)
     dec = StaticDecoder(model, cache, mode=mode, backend=plan["compile_backend"])
     ids = torch.randint(0, model.cfg.vocab_size, (1,), device=model.device)
 
@@ -327,37 +283,36 @@ def attention_grid(rep: Report, plan: dict, shapes: dict, copy_gbps) -> None:
 
 def attention_entry(rep, plan, name, shape, batch, ctx, copy_gbps) -> None:
     """One layer's decode attention at ctx cached tokens: dense SDPA, paged (both impls),
-    int4 (the cache's reference path and the kernel)."""
+    int4 (the cache's reference path and the kernel, through its public `attention`)."""
     Hq, Hkv, D = shape
     dev, dtype = torch.device(plan["device"]), getattr(torch, plan["dtype"])
     layout = CacheLayout(1, Hkv, D, dtype, dev, (None,), D**-0.5)
     q, k, v = (torch.randn(batch, h, 1, D, device=dev).to(dtype) for h in (Hq, Hkv, Hkv))
     pos = torch.full((batch, 1), ctx)
     base = {"shape": name, "batch": batch, "context": ctx}
-    for cache, impls in ((DenseCache(layout, batch, ctx + 1), ("reference",)),
-                         (PagedCache(layout, batch, ctx + 1), ("reference", "triton"))):
-        fill(cache, ctx)
+    for label, cache, impls in (("DenseCache", DenseCache(layout, batch, ctx + 1), ("reference",)),
+                                ("PagedCache", PagedCache(layout, batch, ctx + 1), ("reference", "triton"))):
+        cache.fill_random(ctx)
         for impl in impls:
             if impl == "triton" and not triton_ok(dev):
                 continue
             cache.impl = impl
             cache.prepare(pos)
             t = per_call(lambda: cache.attend(0, q, k, v), dev, plan["reps"])
-            rep.add("attention", rate(base | {"backend": type(cache).__name__, "impl": impl}, kv_read_bytes(cache, ctx),
-                                      t, copy_gbps))
-    c = QuantizedCache(layout, batch, ctx + 1, impl="reference", **plan["int4"])
-    fill_int4(c, ctx)
+            rep.add("attention", rate(base | {"backend": label, "impl": impl}, cache.read_bytes(ctx), t, copy_gbps))
+    kernel = triton_ok(dev)
+    c = QuantizedCache(layout, batch, ctx + 1, impl="triton" if kernel else "reference", **plan["int4"])
+    c.fill_random(ctx)
     c.prepare(pos)
-    c._store(0, k, v)
-    view = c._plan.views[None][0]
-    ref = lambda: reference_attention(q, *c._gather(0, view), view.mask, D**-0.5, None, view.causal)  # noqa: E731
-    rows, (qpos, vis) = cache_rows(c, 0, view), kernel_queries(c)
+    c.attend(0, q, k, v)  # stores this step's token; `attention` then only reads
+    ref = lambda: c.attention(0, q, impl="reference")  # noqa: E731
     entry = base | {"backend": "QuantizedCache"}
-    rep.add("attention", rate(entry | {"impl": "reference"}, c.nbytes(), per_call(ref, dev, plan["reps"]), copy_gbps))
-    if triton_ok(dev):
-        tri = lambda: int4_attention_triton(q, rows, qpos, vis, D**-0.5)  # noqa: E731
+    rep.add("attention", rate(entry | {"impl": "reference"}, c.read_bytes(ctx), per_call(ref, dev, plan["reps"]),
+                              copy_gbps))
+    if kernel:
+        tri = lambda: c.attention(0, q, impl="triton")  # noqa: E731
         err = (tri().float() - ref().float()).abs().max().item()
-        rep.add("attention", rate(entry | {"impl": "triton", "max_abs_err_vs_reference": err}, c.nbytes(),
+        rep.add("attention", rate(entry | {"impl": "triton", "max_abs_err_vs_reference": err}, c.read_bytes(ctx),
                                   per_call(tri, dev, plan["reps"]), copy_gbps))
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from decodelab.cache.base import CacheLayout
-from decodelab.cache.kernels.int4 import cache_rows, int4_attention_reference, int4_attention_triton, kernel_queries
+from decodelab.cache.kernels.int4 import int4_attention_reference, int4_attention_triton
 from decodelab.cache.kernels.paged import dense_as_pool, paged_attention_reference, paged_attention_triton
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -74,23 +74,25 @@ def dense_case(device, dtype, B=2, Hq=4, Hkv=2, D=16, S=48, bs=16, lengths=(30, 
 def int4_case(device, dtype, B=2, Hq=4, Hkv=2, D=32, lengths=(100, 150), T=1, window=None, softcap=None,
               splits=None, seed=0, **options):
     """Kernel and reference outputs for T new queries per row of an int4 cache that holds
-    `lengths` tokens (stored as the cache stores them: quantized blocks + exact store)."""
+    `lengths` tokens (stored as the cache stores them: quantized blocks + exact store), on
+    the inputs the cache hands its kernel (`kernel_rows`, `kernel_queries`)."""
     from decodelab.cache.int4 import QuantizedCache
 
     g = torch.Generator().manual_seed(seed)
-    opts = dict(nbits=4, group_size=32, residual=8, flush=32, key_axis="channel", value_axis="token", rollback=4)
+    # rollback >= T: the first query's exact keys outlive the forward's drop (read after attend)
+    opts = dict(nbits=4, group_size=32, residual=8, flush=32, key_axis="channel", value_axis="token",
+                rollback=max(4, T))
     opts.update(options)
     layout = CacheLayout(1, Hkv, D, dtype, torch.device(device), (window,), D**-0.5, softcap)
     c = QuantizedCache(layout, B, max(lengths) + T, impl="reference", **opts)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     pos = torch.arange(max(lengths)).expand(B, -1)
     c.prepare(pos, pos < torch.tensor(lengths)[:, None])  # right-padded prompt
-    c._store(0, rand(B, Hkv, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D))
-    c._flush(0)
+    c.attend(0, rand(B, Hq, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D))
     c.prepare(c.lengths[:, None] + torch.arange(T))  # the decode / verification forward
-    c._store(0, rand(B, Hkv, T, D), rand(B, Hkv, T, D))
-    rows = cache_rows(c, 0, c._plan.views[window][0])
-    args = (rand(B, Hq, T, D), rows, *kernel_queries(c), D**-0.5, window, softcap, splits)
+    q = rand(B, Hq, T, D)
+    c.attend(0, q, rand(B, Hkv, T, D), rand(B, Hkv, T, D))  # stores it (and runs the cache's reference)
+    args = (q, c.kernel_rows(0), *c.kernel_queries(), D**-0.5, window, softcap, splits)
     return int4_attention_triton(*args), int4_attention_reference(*args)
 
 

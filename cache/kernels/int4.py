@@ -1,10 +1,13 @@
 """INT4 decode attention over what the int4 cache stores (cache/int4.py): per row, the
-quantized store (quanto-packed codes, scales and offsets of positions [0, Qs)) and the
-exact store (positions [p0, len) in the layout's dtype).
+quantized store (quanto-packed codes, scales and offsets of positions [0, Qs); the codec
+is cache/int4_codec.py) and the exact store (positions [exact_start, len) in the layout's
+dtype). The cache hands them over through its public `kernel_rows(layer)` and
+`kernel_queries()`.
 
 The visibility rule is the cache's: a query at q sees positions below V(q) (`vis`)
 dequantized and [V(q), q] exact, inside its window. Per row the keys read are
-[lo, qa) from the quantized store and [fs, hi) from the exact one (the cache's `View`);
+[dequant_from, dequant_to) from the quantized store and [exact_from, exact_to) from the
+exact one (the cache's `View`);
 the mask then picks, per query, exactly one version of every position. The reference
 dequantizes into a scratch buffer and runs `reference_attention`; the Triton kernel
 (int4_triton.py) unpacks the codes in registers, split-K over the quantized range.
@@ -14,42 +17,40 @@ Both cover the full rule (any number of queries), so the cache needs no fallback
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from decodelab.cache.base import reference_attention
-
-if TYPE_CHECKING:  # cache.int4 imports this module
-    from decodelab.cache.int4 import Grouping, QStore
+from decodelab.cache.int4_codec import Grouping, QStore, dequantize_into
 
 
 @dataclass
 class Int4Rows:
     """One layer of an int4 cache as the kernels read it, and each row's key spans."""
 
-    kq: list[QStore]  # per row: quantized keys of positions [0, Qs) (Qs >= qa)
-    vq: list[QStore]
-    kr: list[torch.Tensor]  # per row [Hkv, E, D]: exact keys of positions [p0, p0 + E)
-    vr: list[torch.Tensor]
-    p0: list[int]  # per row: first position of the exact store
-    kg: Grouping  # how keys and values are grouped (axis, group size, bits)
-    vg: Grouping
-    lo: list[int]  # per row: dequantized positions [lo, qa) are read
-    qa: list[int]
-    fs: list[int]  # per row: exact positions [fs, hi) are read (hi = last query + 1)
-    hi: list[int]
+    key_codes: list[QStore]  # per row: quantized keys of positions [0, Qs) (Qs >= dequant_to)
+    value_codes: list[QStore]
+    key_exact: list[torch.Tensor]  # per row [Hkv, E, D]: exact keys of positions [exact_start, exact_start + E)
+    value_exact: list[torch.Tensor]
+    exact_start: list[int]  # per row: first position of the exact store
+    key_grouping: Grouping  # how keys and values are grouped (axis, group size, bits)
+    value_grouping: Grouping
+    dequant_from: list[int]  # per row: dequantized positions [dequant_from, dequant_to) are read
+    dequant_to: list[int]
+    exact_from: list[int]  # per row: exact positions [exact_from, exact_to) are read (the last query + 1)
+    exact_to: list[int]
 
 
 def row_keys(rows: Int4Rows, b: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row b's key positions [S] and keys, values [Hkv, S, D]: dequantized [lo, qa), then exact [fs, hi)."""
-    from decodelab.cache.int4 import dequantize_into
-
-    lo, qa, fs, hi, p0 = rows.lo[b], rows.qa[b], rows.fs[b], rows.hi[b], rows.p0[b]
-    exact = (rows.kr[b], rows.vr[b])
+    """Row b's key positions [S] and keys, values [Hkv, S, D]: dequantized [dequant_from,
+    dequant_to), then exact [exact_from, exact_to)."""
+    lo, qa = rows.dequant_from[b], rows.dequant_to[b]
+    fs, hi, p0 = rows.exact_from[b], rows.exact_to[b], rows.exact_start[b]
+    exact = (rows.key_exact[b], rows.value_exact[b])
     H, _, D = exact[0].shape
     out = []
-    for g, store, full in ((rows.kg, rows.kq[b], exact[0]), (rows.vg, rows.vq[b], exact[1])):
+    for g, store, full in ((rows.key_grouping, rows.key_codes[b], exact[0]),
+                           (rows.value_grouping, rows.value_codes[b], exact[1])):
         buf = torch.empty(H, qa - lo + hi - fs, D, dtype=dtype, device=full.device)  # [H, S, D]
         if qa > lo:
             dequantize_into(g.region(buf, qa - lo), g.span(store, lo, qa), g)
@@ -74,7 +75,7 @@ def int4_attention_reference(
     outs = []
     for b in range(q.shape[0]):
         kpos, k, v = row_keys(rows, b, q.dtype)  # [S], [Hkv, S, D]
-        isq = torch.arange(kpos.shape[0], device=kpos.device) < rows.qa[b] - rows.lo[b]  # [S]
+        isq = torch.arange(kpos.shape[0], device=kpos.device) < rows.dequant_to[b] - rows.dequant_from[b]  # [S]
         qp, vq = qpos[b].to(kpos.device)[:, None], vis[b].to(kpos.device)[:, None]  # [T, 1]
         mask = (kpos <= qp) & torch.where(isq, kpos < vq, kpos >= vq)  # [T, S]
         if window is not None:
@@ -91,17 +92,3 @@ def int4_attention_triton(q, rows, qpos, vis, scale, window=None, softcap=None, 
 
     return int4_triton.int4_attention(q, rows, qpos, vis, scale, window, softcap, num_splits)
 
-
-def cache_rows(cache, layer: int, view) -> Int4Rows:
-    """What `QuantizedCache.attend` hands the kernel for one layer and one view of the forward."""
-    p0 = cache._plan.p0  # the exact stores' start during this forward's attention
-    return Int4Rows(cache.kq[layer], cache.vq[layer], cache.kr[layer], cache.vr[layer], p0, cache.kg, cache.vg,
-                    view.lo, view.qa, view.fs, view.hi)
-
-
-def kernel_queries(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """This forward's query positions [B, T] (padding acts as the row's last, as in the
-    cache's plan) and their V(q), on the cache's device as int32."""
-    qeff = torch.where(cache._valid, cache._qpos, cache.lengths[:, None] - 1)  # [B, T]
-    dev = cache.layout.device
-    return qeff.to(dev, torch.int32), cache.quantized_prefix(qeff).to(dev, torch.int32)

@@ -5,7 +5,7 @@ One launch per row (the int4 cache keeps per-row stores), grid (Hkv, S + 1): spl
 0..S-1 share the row's quantized range [lo, qa) and unpack its codes in registers, split
 S reads the exact range [fs, hi); one `combine` launch merges every row's splits.
 
-Unpacking (cache/int4.py, `Grouping`): a group of `group` codes lies in R = group x bits / 8
+Unpacking (cache/int4_codec.py, `Grouping`): a group of `group` codes lies in R = group x bits / 8
 bytes, code i in byte i % R at bit (i // R) x bits; x = code x scale + offset.
 - channel axis: codes [H, N/group, R, D], scales [H, N/group, 1, D]: position p is code
   p % group of group p // group, per channel d;
@@ -112,30 +112,32 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 def int4_attention(q, rows, qpos, vis, scale, window=None, softcap=None, num_splits=None):
     """See cache.kernels.int4.int4_attention_reference (same signature and result)."""
     B, Hq, T, D = q.shape
-    Hkv = rows.kr[0].shape[0]
+    Hkv = rows.key_exact[0].shape[0]
     G = Hq // Hkv
     n_rows = G * T
     if num_splits is None:
-        num_splits = split_count(Hkv, max(a - b for a, b in zip(rows.qa, rows.lo)), q.device)
+        num_splits = split_count(Hkv, max(e - s for s, e in zip(rows.dequant_from, rows.dequant_to)), q.device)
     S = num_splits + 1  # + the exact split
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     acc, m, l_s = partials(B, Hkv, S, n_rows, D, q.device)
     ieee, dot = dot_dtype(q)
     qpos, vis = qpos.contiguous(), vis.contiguous()
-    kg, vg = rows.kg, rows.vg
+    kg, vg = rows.key_grouping, rows.value_grouping
     consts = dict(K_TOKEN=kg.axis == "token", K_GROUP=kg.size, K_R=kg.size * kg.bits // 8,
                   V_TOKEN=vg.axis == "token", V_GROUP=vg.size, V_R=vg.size * vg.bits // 8, BITS=kg.bits,
                   BLOCK_M=max(16, triton.next_power_of_2(n_rows)), BLOCK_N=64 if D <= 128 else 32,
                   BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None,
                   HAS_SOFTCAP=bool(softcap), IEEE=ieee, DOT=dot, num_warps=8 if n_rows > 32 else 4, num_stages=2)
     for b in range(B):
-        kq, vq, kr, vr = rows.kq[b], rows.vq[b], rows.kr[b], rows.vr[b]
-        assert kr.stride()[1:] == vr.stride()[1:] == (D, 1) and kq.scale.stride() == kq.offset.stride()
-        assert vq.scale.stride() == vq.offset.stride()
+        kc, vc = rows.key_codes[b], rows.value_codes[b]  # QStore: data, scale, offset
+        ke, ve = rows.key_exact[b], rows.value_exact[b]  # [Hkv, E, D]
+        assert ke.stride()[1:] == ve.stride()[1:] == (D, 1) and kc.scale.stride() == kc.offset.stride()
+        assert vc.scale.stride() == vc.offset.stride()
         _int4_kernel[(Hkv, S)](
-            q, kq.data, kq.scale, kq.offset, vq.data, vq.scale, vq.offset, kr, vr, qpos, vis, out, acc, m, l_s,
-            b, rows.lo[b], rows.qa[b], rows.fs[b], rows.hi[b], rows.p0[b], float(scale), float(softcap or 0.0),
-            int(window or 0), T, G, D, Hkv, S, n_rows, q.stride(0), q.stride(1), q.stride(2), qpos.stride(0),
-            *_strides(kq.data), *_strides(kq.scale), *_strides(vq.data), *_strides(vq.scale),
-            kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1), **consts)
+            q, kc.data, kc.scale, kc.offset, vc.data, vc.scale, vc.offset, ke, ve, qpos, vis, out, acc, m, l_s,
+            b, rows.dequant_from[b], rows.dequant_to[b], rows.exact_from[b], rows.exact_to[b], rows.exact_start[b],
+            float(scale), float(softcap or 0.0), int(window or 0), T, G, D, Hkv, S, n_rows,
+            q.stride(0), q.stride(1), q.stride(2), qpos.stride(0),
+            *_strides(kc.data), *_strides(kc.scale), *_strides(vc.data), *_strides(vc.scale),
+            ke.stride(0), ke.stride(1), ve.stride(0), ve.stride(1), **consts)
     return combine(out, acc, m, l_s, G)

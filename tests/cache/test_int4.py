@@ -13,7 +13,9 @@ from optimum.quanto import quantize_weight
 
 from decodelab.cache.base import CacheLayout
 from decodelab.cache.dense import DenseCache
-from decodelab.cache.int4 import QTYPES, Grouping, QuantizedCache, bf16_ratio, dequantize_into, quantize, worst_context
+from decodelab.cache.int4 import QuantizedCache, bf16_ratio, worst_context
+from decodelab.cache.int4_codec import QTYPES, Grouping, dequantize_into, quantize
+from decodelab.cache.kernels.int4 import int4_attention_reference
 from decodelab.decoding import generate, greedy, prefill
 from decodelab.decoding.drafters import EarlyExit, ModelDrafter
 from decodelab.decoding.speculative import SpeculativeDecoder
@@ -41,7 +43,7 @@ def fill(cache, k, v, positions, valid=None):
 
 def columns(t: torch.Tensor, g: Grouping) -> torch.Tensor:
     """A store tensor back in quanto's layout [R or 1, C] (one group per column)."""
-    return t.movedim(g.pdim, 0).reshape(t.shape[g.pdim], -1)
+    return t.movedim(g.packed_dim, 0).reshape(t.shape[g.packed_dim], -1)
 
 
 def dequantized(x: torch.Tensor, g: Grouping, scale_dtype=torch.float16) -> torch.Tensor:
@@ -63,7 +65,7 @@ def test_contract_attention_while_quantizing(windows, q_len, key_axis):
     assert [c.quantized_tokens(b) for b in range(2)] == [32, 64]  # V(44) = 32, V(69) = 64
     # exact from V(len - rollback) = 32 on: blocks [32, 64) of row 1 are held in both forms
     assert [c.exact_span(b) for b in range(2)] == [(32, 45), (32, 70)]
-    assert [c.kr[0][b].shape[1] for b in range(2)] == [13, 38]  # no padding stored
+    assert [c.key_exact[0][b].shape[1] for b in range(2)] == [13, 38]  # no padding stored
     for s in range(3):
         nxt = c.lengths[:, None] + torch.arange(q_len)
         check_all(h, h.step(nxt, seed=2 + s), nxt)
@@ -173,7 +175,7 @@ def rule_reference(c, K, V, Q, window):
     H, N, D = K.shape
     n = N // c.flush * c.flush
     deq = []
-    for g, x in ((c.kg, K), (c.vg, V)):
+    for g, x in ((c.key_grouping, K), (c.value_grouping, V)):
         d = x.clone()
         dequantize_into(g.region(d, n), quantize(x[:, :n], g, c.scale_dtype), g)
         deq.append(d)
@@ -242,10 +244,10 @@ def test_visible_version_depends_only_on_positions(key_axis, attention_chunk):
         p0 = c.exact_span(0)[0]
         assert c.quantized_tokens(0) == 96 and p0 in (64, 96), name
         for layer in range(2):
-            for mine, theirs in zip(c.kq[layer][0].tensors() + c.vq[layer][0].tensors(),
-                                    ref.kq[layer][0].tensors() + ref.vq[layer][0].tensors()):
+            for mine, theirs in zip(c.key_codes[layer][0].tensors() + c.value_codes[layer][0].tensors(),
+                                    ref.key_codes[layer][0].tensors() + ref.value_codes[layer][0].tensors()):
                 assert torch.equal(mine, theirs), name  # garbage-holding blocks were re-quantized
-            assert torch.equal(c.kr[layer][0], K[:, p0:]) and torch.equal(c.vr[layer][0], V[:, p0:])
+            assert torch.equal(c.key_exact[layer][0], K[:, p0:]) and torch.equal(c.value_exact[layer][0], V[:, p0:])
 
 
 def test_long_forward_attends_in_query_chunks():
@@ -261,7 +263,7 @@ def test_long_forward_attends_in_query_chunks():
         c.attention_chunk = chunk
         c.prepare(pos, valid)
         outs.append([c.attend(layer, q, k, v) for layer in range(2)])
-        slots.append(sum(view.S * (view.b - view.a) for view in c._plan.views[None]))
+        slots.append(sum(view.slots * (view.query_to - view.query_from) for view in c._plan.views[None]))
         assert len(c._plan.views[None]) == (1 if chunk == 256 else 5)
     for layer in range(2):
         got, want = outs[1][layer].transpose(1, 2)[valid], outs[0][layer].transpose(1, 2)[valid]
@@ -294,7 +296,7 @@ def test_prefill_equals_token_by_token_on_the_tiny_models(name, request):
     assert d_dense > 1e-3  # quantization really changes the logits ...
     assert (dense[:35] - one[:35]).abs().max() <= 1e-5  # ... and only where V(q) > 0 (q >= 35)
     for label in ("query chunks", "chunks", "tokens"):
-        same = all(torch.equal(x, y) for layer in range(m.cfg.n_layers) for s in ("kq", "vq")
+        same = all(torch.equal(x, y) for layer in range(m.cfg.n_layers) for s in ("key_codes", "value_codes")
                    for x, y in zip(getattr(stores[label], s)[layer][0].tensors(),
                                    getattr(stores["one pass"], s)[layer][0].tensors()))
         d = (runs[label] - one).abs().max(-1).values  # [N]
@@ -317,10 +319,10 @@ def test_rollback_then_continue():
                group_size=32), DenseCache(lay, 1, 64))
     for c in (a, d):
         fill(c, k[:, :, :60], v[:, :, :60], torch.arange(60)[None])
-    stored = a.kq[0][0].data.clone()
+    stored = a.key_codes[0][0].data.clone()
     a.truncate([55])
     d.truncate([55])
-    assert a.lengths.tolist() == [55] and torch.equal(a.kq[0][0].data, stored)
+    assert a.lengths.tolist() == [55] and torch.equal(a.key_codes[0][0].data, stored)
     fill(b, k[:, :, :55], v[:, :, :55], torch.arange(55)[None])
     nk, nv = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64)
     outs = []
@@ -462,4 +464,53 @@ def test_invalid_options_listed_together():
     with pytest.raises(SetupError) as e:
         QuantizedCache(layout(head_dim=96), 1, 10, group_size=64, flush=96)
     assert len(e.value.reasons) == 2  # 64 does not divide head_dim 96; flush 96 is not whole groups
-    assert QuantizedCache(layout(head_dim=16), 1, 10).vg.size == 16  # a group never spans heads
+    assert QuantizedCache(layout(head_dim=16), 1, 10).value_grouping.size == 16  # a group never spans heads
+
+
+# -- what the cache offers kernels and benchmarks ----------------------------------------
+def test_attention_repeats_attend_and_feeds_the_kernel_reference():
+    """After `attend`, `attention` gives attend's output again (storing nothing twice), and
+    the kernel inputs (`kernel_rows`, `kernel_queries`) give it through the kernels' reference."""
+    torch.manual_seed(8)
+    lay = layout(n_layers=2, windows=(16, None))
+    c = QuantizedCache(lay, 2, 128, residual=8, group_size=32, rollback=4, impl="reference")
+    pos = torch.arange(100).expand(2, -1)
+    fill(c, torch.randn(2, 2, 100, 64), torch.randn(2, 2, 100, 64), pos, pos < torch.tensor([[70], [100]]))
+    q, k, v = torch.randn(2, 4, 3, 64), torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64)
+    c.prepare(c.lengths[:, None] + torch.arange(3))
+    for layer in range(2):
+        out = c.attend(layer, q, k, v)
+        assert torch.equal(c.attention(layer, q, impl="reference"), out)
+        rows = c.kernel_rows(layer)
+        assert rows.dequant_to == [64, 64] and rows.exact_to == [73, 103]  # V(72) = V(102) = 64
+        via = int4_attention_reference(q, rows, *c.kernel_queries(), lay.softmax_scale, lay.windows[layer])
+        torch.testing.assert_close(via, out, rtol=0, atol=1e-5)
+    assert c.lengths.tolist() == [73, 103] and c.key_exact[0][1].shape[1] == 103 - c.exact_span(1)[0]
+
+
+def test_attention_is_refused_without_its_keys(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    c = QuantizedCache(layout(), 1, 64, residual=4, group_size=32, rollback=0)
+    q, k, v = torch.randn(1, 4, 40, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    with pytest.raises(SetupError, match="holds no K/V of a prepared forward"):
+        c.attention(0, q)
+    c.prepare(torch.arange(40)[None])
+    with pytest.raises(SetupError, match="holds no K/V of a prepared forward"):  # prepared, not stored yet
+        c.attention(0, q)
+    c.attend(0, q, k, v)
+    assert c.exact_span(0) == (32, 40)  # rollback 0: the forward's drop keeps what later queries need
+    with pytest.raises(SetupError, match=r"positions \[0, 32\) this forward reads were dropped"):
+        c.attention(0, q)
+    with pytest.raises(SetupError, match="impl=triton"):
+        c.attention(0, q[:, :, -1:], impl="triton")
+
+
+def test_fill_random_leaves_what_a_one_pass_prefill_leaves():
+    lay = layout(n_layers=2)
+    a, b = (QuantizedCache(lay, 2, 200, residual=8, group_size=32, rollback=8) for _ in range(2))
+    a.fill_random(150)
+    fill(b, torch.randn(2, 2, 150, 64), torch.randn(2, 2, 150, 64), torch.arange(150).expand(2, -1))
+    for row in range(2):
+        assert a.quantized_tokens(row) == b.quantized_tokens(row) == 128  # V(149)
+        assert a.exact_span(row) == b.exact_span(row) == (128, 150)  # P0 = min(Qs, V(142)) = 128
+    assert a.nbytes() == b.nbytes() and a.read_bytes(150) == a.nbytes()

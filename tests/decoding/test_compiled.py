@@ -11,6 +11,7 @@ import torch
 
 from decodelab.cache.int4 import QuantizedCache
 from decodelab.cache.paged import PagedCache
+from decodelab.cache.sliding import SlidingCache
 from decodelab.decoding import prefill
 from decodelab.cache.kernels.paged import dense_as_pool
 from decodelab.decoding.compiled import StaticDecoder, greedy_decode
@@ -59,9 +60,16 @@ def test_dense_as_pool_addresses_each_rows_positions():
         assert torch.equal(pool[h, table[b, p // 4], p % 4], t[b, h, p])
 
 
-def test_unsupported_caches_and_modes_are_refused(tiny_llama):
+def test_unsupported_caches_and_modes_are_refused(tiny_llama, tiny_gemma):
+    """The cache's own refusal (its `static_view`), not a list of types, says why."""
     model = tiny_llama.model
-    with pytest.raises(SetupError, match="int4 grows per-row stores"):
+    with pytest.raises(SetupError, match="QuantizedCache backend cannot .* int4 grows per-row stores"):
         StaticDecoder(model, cache_for(model, 1, 32, partial(QuantizedCache, group_size=32)), mode="eager")
+    gemma = tiny_gemma.model  # windowed layers: sliding keeps rings
+    with pytest.raises(SetupError, match="SlidingCache backend cannot .* sliding plans its ring"):
+        StaticDecoder(gemma, cache_for(gemma, 1, 32, SlidingCache), mode="eager")
     with pytest.raises(SetupError, match="CUDA"):
         StaticDecoder(model, cache_for(model, 1, 32), mode="graph")
+    with pytest.raises(SetupError) as e:  # every reason at once
+        StaticDecoder(model, cache_for(model, 1, 32, partial(QuantizedCache, group_size=32)), mode="fast")
+    assert len(e.value.reasons) == 2
