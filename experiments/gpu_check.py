@@ -1,12 +1,13 @@
-"""One prepared GPU check (issue 6): kernel correctness, copy bandwidth, decode speed of
-every cache backend (reference vs Triton), attention alone, and the compiled step, in one
-JSON report. Under 8 minutes on one H200 (a time budget skips what does not fit).
+"""One prepared GPU check: kernel correctness, copy bandwidth, decode speed of every cache
+backend (reference vs Triton), attention alone, and the compiled step, as results.jsonl
+(one record per measurement; `decodelab-report` makes the tables). Under 8 minutes on one
+H200 (a time budget skips what does not fit; one failure never ends the run).
 
-    python -m decodelab.experiments.gpu_check                  # a CUDA GPU: the full check
-    python -m decodelab.experiments.gpu_check smoke=true       # tiny shapes on the CPU (tests run this)
-    options: out=PATH (default $OUT/gpu_check.json, else outputs/gpu_check.json), budget_s=420
+    decodelab-gpu-check                  # a CUDA GPU: the full check
+    decodelab-gpu-check smoke=true       # tiny shapes on the CPU (tests run this)
+    options: out=DIR (default $OUT, else outputs/gpu_check/<time>), budget_s=420
 
-Sections of the report:
+Records, by `setup.name`:
 - copy_bandwidth: a device-to-device copy, bytes read + written per second (the roofline);
 - kernel_checks: every case of cache/kernels/check.py in fp32 and bf16, plus model shapes;
 - compiled: StaticDecoder (CUDA graph) batch-1 decode, SmolLM2 and Llama-3-8B shapes;
@@ -15,7 +16,7 @@ Sections of the report:
   int4 with impl=reference and impl=triton (one filled cache, impl switched between runs);
   tokens/s, bytes read per step (weights + K/V read) and that over the copy bandwidth;
 - attention: one layer's decode attention alone, per backend and impl, same grid;
-- verdicts: the issue's targets computed from the numbers above.
+- verdicts: the issue's targets computed from the numbers above; error, skipped.
 Caches are filled with random K/V by their `fill_random` (no prefill: decode speed does not
 depend on values); bytes read per step come from their `read_bytes` (cache/base.py).
 """
@@ -25,8 +26,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -42,7 +41,9 @@ from decodelab.cache.kernels.dispatch import impl_problems
 from decodelab.cache.paged import PagedCache
 from decodelab.decoding.compiled import StaticDecoder
 from decodelab.decoding.text import make_cache
-from decodelab.models.loading import CONF_DIR, instantiate_unwrapped, random_model
+from decodelab.experiments import harness
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR, random_model
 
 SMOLLM2_SHAPE = dict(family="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                      intermediate_size=1536, max_seq_len=40960, norm_eps=1e-5, tie_embeddings=True,
@@ -50,79 +51,61 @@ SMOLLM2_SHAPE = dict(family="llama", vocab_size=49152, dim=576, n_layers=30, n_h
 TINY_SHAPE = dict(family="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                   intermediate_size=128, max_seq_len=512, rope=dict(theta=10000.0))
 FULL = dict(device="cuda", dtype="bfloat16", contexts=(1024, 8192, 32768), batches=(1, 16), steps=8, warmup=2,
-            reps=10, copy_mib=4096, compile_backend="inductor", sliding=dict(window=4096, sinks=4), int4={}, kernel_dtypes=("float32", "bfloat16"))
+            reps=10, copy_mib=4096, compile_backend="inductor", sliding=dict(window=4096, sinks=4), int4={},
+            kernel_dtypes=("float32", "bfloat16"))
 SMOKE = dict(device="cpu", dtype="float32", contexts=(130,), batches=(1, 2), steps=2, warmup=1, reps=2, copy_mib=16,
-             compile_backend="eager",
-             sliding=dict(window=32, sinks=2), int4=dict(residual=16, group_size=32, flush=32),
+             compile_backend="eager", sliding=dict(window=32, sinks=2), int4=dict(residual=16, group_size=32, flush=32),
              kernel_dtypes=("float32",))
 BACKENDS = (("dense", ("reference",)), ("sliding", ("reference",)), ("paged", ("reference", "triton")),
             ("int4", ("reference", "triton")))
 
 
 class Report:
-    """The JSON report, written after every section, and the time budget."""
+    """The records (results.jsonl, rewritten atomically after every section) and the time budget."""
 
-    def __init__(self, path: Path, budget_s: float, plan: dict):
-        self.path, self.budget_s, self.t0 = path, budget_s, time.perf_counter()
-        self.data = {"meta": {"plan": {k: v for k, v in plan.items()}, "budget_s": budget_s}, "errors": [],
-                     "skipped": []}
+    def __init__(self, out: Path, budget_s: float, conditions: dict, cfg):
+        self.path, self.budget_s, self.t0 = out / harness.RESULTS, budget_s, time.perf_counter()
+        self.conditions, self.cfg, self.records = conditions, cfg, []
 
     def left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.t0)
 
     def add(self, section: str, entry: dict) -> None:
-        self.data.setdefault(section, []).append(entry)
-        print(f"[{time.perf_counter() - self.t0:6.1f}s] {section}: {json.dumps(entry)[:240]}", flush=True)
+        run = f"{section}-{len(self.records)}"
+        self.records.append(harness.summary("gpu_check", run, {"name": section}, entry, self.conditions, self.cfg))
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {section}: {json.dumps(entry, default=str)[:240]}", flush=True)
+
+    def section(self, name: str) -> list[dict]:
+        return [r["metrics"] for r in self.records if r["setup"]["name"] == name]
 
     def attempt(self, where: str, fn, *args, need_s: float = 0.0, **kw):
         """fn(*args), or None with the error (or the skip) recorded: one failure never ends the run."""
         if self.left() < need_s:
-            self.data["skipped"].append({"where": where, "why": f"time budget ({self.left():.0f}s left)"})
+            self.add("skipped", {"where": where, "why": f"time budget ({self.left():.0f}s left)"})
             return None
         try:
             return fn(*args, **kw)
         except Exception as e:  # recorded, then the next config runs
-            self.data["errors"].append({"where": where, "error": repr(e)[:2000],
-                                        "traceback": traceback.format_exc()[-3000:]})
-            print(f"ERROR in {where}: {e!r}", flush=True)
+            self.add("error", {"where": where, "error": repr(e)[:2000], "traceback": traceback.format_exc()[-3000:]})
             return None
         finally:
-            release()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def write(self) -> None:
-        self.data["meta"]["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1))
+        harness.write_jsonl(self.path, self.records)
 
 
-def release() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def per_call(fn, device, n: int = 10, warmup: int = 2) -> float:
-    """Seconds per call of fn: mean of n calls after warm-up (CUDA events on a GPU)."""
+def seconds_per(fn, device, n: int, warmup: int = 2) -> float:
+    """Seconds per call of fn: n calls timed together after `warmup` calls (device synchronized)."""
     for _ in range(warmup):
         fn()
-    sync(device)
-    if torch.device(device).type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    timer = harness.Timer(device)
+    with timer:
         for _ in range(n):
             fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / n
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
+    return timer.seconds[0] / n
 
 
 def triton_ok(device) -> bool:
@@ -131,17 +114,12 @@ def triton_ok(device) -> bool:
 
 # -- environment and the roofline ---------------------------------------------------------
 def environment(device) -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
-           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+    """The run conditions, plus the GPU's properties and the Triton mode."""
+    env = harness.run_conditions() | {"device": str(device), "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
     if torch.device(device).type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        env |= {"gpu": p.name, "sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1)}
+        env |= {"gpu": p.name, "sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1),
+                "cuda_runtime": torch.version.cuda}
     return env
 
 
@@ -150,14 +128,13 @@ def copy_bandwidth(device, mib: int) -> dict:
     n = mib * 2**20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = per_call(lambda: dst.copy_(src), device, n=10, warmup=3)
+    t = seconds_per(lambda: dst.copy_(src), device, n=10, warmup=3)
     return {"bytes_per_copy": n, "seconds": t, "GBps": 2 * n / t / 1e9, "counted": "bytes read + bytes written"}
 
 
 # -- caches ---------------------------------------------------------------------------
 def build_cache(name: str, model, batch: int, capacity: int, **overrides):
-    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "cache" / f"{name}.yaml"), overrides)
-    return make_cache(model, batch, capacity, instantiate_unwrapped(spec))
+    return make_cache(model, batch, capacity, harness.cache_factory(name, **overrides))
 
 
 # -- bytes ------------------------------------------------------------------------------
@@ -172,18 +149,6 @@ def weight_bytes(model, batch: int) -> int:
 
 
 # -- decode -----------------------------------------------------------------------------
-@torch.no_grad()
-def step_seconds(step, device, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    return (time.perf_counter() - t) / steps
-
-
 def plain_step(model, cache):
     """The framework's decode step (what the decoders run), greedy, ids kept on the device."""
     ids = torch.randint(0, model.cfg.vocab_size, (cache.batch_size, 1), device=model.device)
@@ -221,10 +186,11 @@ def decode_backend(rep, name, model, plan, backend, impls, batch, ctx, copy_gbps
         entry = {"model": name, "batch": batch, "context": ctx, "backend": getattr(cache, "label", backend),
                  "impl": impl}
         if impl == "triton" and not triton_ok(model.device):
-            rep.data["skipped"].append(entry | {"why": "no CUDA (and no TRITON_INTERPRET=1)"})
+            rep.add("skipped", entry | {"why": "no CUDA (and no TRITON_INTERPRET=1)"})
             continue
         cache.impl = impl  # the same filled cache runs both paths
-        s = step_seconds(plain_step(model, cache), model.device, plan["steps"], plan["warmup"])
+        with torch.no_grad():
+            s = seconds_per(plain_step(model, cache), model.device, plan["steps"], plan["warmup"])
         rep.add("decode", speed(entry, model, cache, ctx, s, copy_gbps))
 
 
@@ -237,7 +203,7 @@ def compiled_entry(rep, name, model, plan, backend, ctx, mode, copy_gbps) -> Non
     def step():
         nonlocal ids
         ids = dec.step(ids).argmax(-1)
-    s = step_seconds(step, model.device, plan["steps"] * 4, plan["warmup"] + 1)
+    s = seconds_per(step, model.device, plan["steps"] * 4, plan["warmup"] + 1)
     rep.add("compiled", speed({"model": name, "batch": 1, "context": ctx, "backend": backend, "mode": mode},
                               model, cache, ctx, s, copy_gbps))
 
@@ -250,7 +216,7 @@ def model_stage(rep: Report, plan: dict, name: str, config: dict, parts: tuple, 
     dev = torch.device(plan["device"])
     compile_s = 150 if dev.type == "cuda" else 0  # what torch.compile may take, at least
     if "compile" in parts and set(parts) == {"compile"} and rep.left() < compile_s:
-        rep.data["skipped"].append({"where": f"compile {name}", "why": f"time budget ({rep.left():.0f}s left)"})
+        rep.add("skipped", {"where": f"compile {name}", "why": f"time budget ({rep.left():.0f}s left)"})
         return
     lm = rep.attempt(f"model {name}", random_model, config, dtype=plan["dtype"], device=str(dev), name=name,
                      need_s=20)
@@ -298,7 +264,7 @@ def attention_entry(rep, plan, name, shape, batch, ctx, copy_gbps) -> None:
                 continue
             cache.impl = impl
             cache.prepare(pos)
-            t = per_call(lambda: cache.attend(0, q, k, v), dev, plan["reps"])
+            t = seconds_per(lambda: cache.attend(0, q, k, v), dev, plan["reps"])
             rep.add("attention", rate(base | {"backend": label, "impl": impl}, cache.read_bytes(ctx), t, copy_gbps))
     kernel = triton_ok(dev)
     c = QuantizedCache(layout, batch, ctx + 1, impl="triton" if kernel else "reference", **plan["int4"])
@@ -307,13 +273,13 @@ def attention_entry(rep, plan, name, shape, batch, ctx, copy_gbps) -> None:
     c.attend(0, q, k, v)  # stores this step's token; `attention` then only reads
     ref = lambda: c.attention(0, q, impl="reference")  # noqa: E731
     entry = base | {"backend": "QuantizedCache"}
-    rep.add("attention", rate(entry | {"impl": "reference"}, c.read_bytes(ctx), per_call(ref, dev, plan["reps"]),
+    rep.add("attention", rate(entry | {"impl": "reference"}, c.read_bytes(ctx), seconds_per(ref, dev, plan["reps"]),
                               copy_gbps))
     if kernel:
         tri = lambda: c.attention(0, q, impl="triton")  # noqa: E731
         err = (tri().float() - ref().float()).abs().max().item()
         rep.add("attention", rate(entry | {"impl": "triton", "max_abs_err_vs_reference": err}, c.read_bytes(ctx),
-                                  per_call(tri, dev, plan["reps"]), copy_gbps))
+                                  seconds_per(tri, dev, plan["reps"]), copy_gbps))
 
 
 def rate(entry: dict, nbytes: int, seconds: float, copy_gbps) -> dict:
@@ -326,7 +292,7 @@ def rate(entry: dict, nbytes: int, seconds: float, copy_gbps) -> dict:
 def kernel_checks(rep: Report, plan: dict, shapes: dict, smoke: bool) -> None:
     dev = plan["device"]
     if not triton_ok(dev):
-        rep.data["skipped"].append({"where": "kernel_checks", "why": impl_problems("triton", dev)})
+        rep.add("skipped", {"where": "kernel_checks", "why": impl_problems("triton", dev)})
         return
     smoke_cases = ("paged-q4-causal", "dense-as-pool", "int4-decode")
     cases = [c for c in CASES if c.name in smoke_cases or not smoke]
@@ -345,11 +311,12 @@ def kernel_checks(rep: Report, plan: dict, shapes: dict, smoke: bool) -> None:
 
 
 # -- verdicts ---------------------------------------------------------------------------
-def verdicts(d: dict) -> dict:
+def verdicts(rep: Report) -> dict:
     """The issue's targets, from the numbers (None where the numbers are missing)."""
-    dec, att, comp = d.get("decode", []), d.get("attention", []), d.get("compiled", [])
+    dec, att, comp = rep.section("decode"), rep.section("attention"), rep.section("compiled")
     pick = lambda rows, **kw: [r for r in rows if all(r.get(k) == v for k, v in kw.items())]  # noqa: E731
-    v = {"kernels_all_ok": all(r["ok"] for r in d["kernel_checks"]) if d.get("kernel_checks") else None}
+    kernels = rep.section("kernel_checks")
+    v = {"kernels_all_ok": all(r["ok"] for r in kernels) if kernels else None}
     llama = [r for r in pick(dec, model="llama3-8b-shape", batch=1, backend="dense") + pick(
         comp, model="llama3-8b-shape", backend="dense")]
     v["dense_b1_llama_best_fraction_of_copy_bw (target >= 0.8)"] = max(
@@ -375,28 +342,25 @@ def verdicts(d: dict) -> dict:
 
 
 # -- the run ----------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv))
-    smoke = args.get("smoke", "false").lower() in ("1", "true", "yes")
-    if not smoke and not torch.cuda.is_available():
-        print("gpu_check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False). "
-              "On a GPU machine: python -m decodelab.experiments.gpu_check; for the CPU dry run: "
-              "python -m decodelab.experiments.gpu_check smoke=true", file=sys.stderr)
-        return 2
-    plan = dict(SMOKE if smoke else FULL)
-    out = Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("outputs/gpu_check.json")
-    rep = Report(Path(args.get("out", out)), float(args.get("budget_s", 120 if smoke else 420)), plan)
+def run(cfg, out: Path) -> dict:
+    """Every section within the budget; returns the verdicts (also the last record)."""
+    if not cfg.smoke and not torch.cuda.is_available():
+        raise SetupError("gpu_check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False); "
+                         "on a GPU machine: decodelab-gpu-check; for the CPU dry run: decodelab-gpu-check smoke=true")
+    plan = dict(SMOKE if cfg.smoke else FULL)
+    out = Path(cfg.out or os.environ.get("OUT") or out)
     dev = torch.device(plan["device"])
+    rep = Report(out, cfg.budget_s or (120 if cfg.smoke else 420), environment(dev), {**plan, "smoke": cfg.smoke})
     torch.manual_seed(0)
-    rep.data["meta"] |= {"smoke": smoke, "environment": environment(dev)}
     bw = rep.attempt("copy_bandwidth", copy_bandwidth, dev, plan["copy_mib"])
-    rep.data["copy_bandwidth"] = bw
+    if bw:
+        rep.add("copy_bandwidth", bw)
     gbps = bw["GBps"] if bw else None
     llama = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "llama3-8b-shape.yaml"))["config"]
-    models = {"tiny-llama-shape": TINY_SHAPE} if smoke else {"smollm2-135m-shape": SMOLLM2_SHAPE,
-                                                             "llama3-8b-shape": llama}
+    models = {"tiny-llama-shape": TINY_SHAPE} if cfg.smoke else {"smollm2-135m-shape": SMOLLM2_SHAPE,
+                                                                 "llama3-8b-shape": llama}
     shapes = {n: (c["n_heads"], c["n_kv_heads"], c["head_dim"]) for n, c in models.items()}
-    kernel_checks(rep, plan, shapes, smoke)
+    kernel_checks(rep, plan, shapes, cfg.smoke)
     rep.write()
     first, *rest = models  # the small model's compiled step first: the 1,500 tokens/s target needs torch.compile
     stages = [(first, ("graph", "compile"))] + [(n, ("graph", "decode")) for n in rest] + [(first, ("decode",))]
@@ -405,12 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     attention_grid(rep, plan, shapes, gbps)
     for name in rest:  # torch.compile of the large models: last, only with time to spare
         model_stage(rep, plan, name, models[name], ("compile",), gbps)
-    rep.data["verdicts"] = verdicts(rep.data)
+    v = verdicts(rep)
+    rep.add("verdicts", v)
     rep.write()
-    print(json.dumps({"verdicts": rep.data["verdicts"], "errors": len(rep.data["errors"]),
-                      "skipped": len(rep.data["skipped"]), "report": str(rep.path)}, indent=1))
-    return 0
+    print(json.dumps({"verdicts": v, "errors": len(rep.section("error")), "skipped": len(rep.section("skipped")),
+                      "results": str(rep.path)}, indent=1, default=str))
+    return v
+
+
+main = harness.hydra_app("gpu_check", run)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -196,17 +196,19 @@ def entry_columns(entry: str, rows: list[dict]) -> list[str]:
         return default_columns(rows)
     keys = dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float, str)) or v is None)
     skip = {"entry", "run", "finished", "dir", "n_prompts", "speedup_vs_greedy", *SETUP_FIELDS[1:]} - {"model"}
-    return ["name"] + [k for k in keys if k not in skip and k != "name"]
+    return ["name"] + [k for k in keys if k not in skip and k != "name" and any(r.get(k) is not None for r in rows)]
 
 
 def report_markdown(rows: list[dict]) -> str:
-    """One table per entry point (bench first), each under its heading when there are several."""
-    entries = sorted({r["entry"] for r in rows}, key=lambda e: (e != "bench", e))
+    """One table per entry point (bench first; agree's setups together; for micro and
+    gpu_check one per part or section), each under its heading when there are several."""
+    group = lambda r: r["entry"] if r["entry"] in ("bench", "agree") else f"{r['entry']}: {r['name']}"  # noqa: E731
+    groups = sorted({group(r) for r in rows}, key=lambda g: (g != "bench", g))
     parts = []
-    for e in entries:
-        mine = [r for r in rows if r["entry"] == e]
-        table = markdown_table(mine, entry_columns(e, mine))
-        parts.append(table if len(entries) == 1 else f"## {e}\n\n{table}")
+    for g in groups:
+        mine = [r for r in rows if group(r) == g]
+        table = markdown_table(mine, entry_columns(mine[0]["entry"], mine))
+        parts.append(table if len(groups) == 1 else f"## {g}\n\n{table}")
     return "\n".join(parts)
 
 

@@ -3,8 +3,8 @@
 #   here:  make wheelhouse                 (hydra, omegaconf, antlr4, optimum-quanto, ... as wheels)
 #   there: bash scripts/gpu_check.sh       (the device tool: carry ["wheelhouse"], timeout_s 600)
 # Installs the wheels into /tmp/site (the machine's torch and triton are used as they are),
-# records the GPU, runs `python -m decodelab.experiments.gpu_check` (its own budget: 420 s) and leaves
-# gpu_check.json, gpu_check.log and nvidia-smi.txt in $OUT (else outputs/).
+# records the GPU, runs `python -m decodelab.experiments.gpu_check` (its own budget: 420 s) and leaves results.jsonl,
+# gpu_check.log and nvidia-smi.txt in $OUT (else outputs/); decodelab-report $OUT makes the tables.
 # Extra arguments go to gpu_check (e.g. budget_s=300, or smoke=true for the CPU dry run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,13 @@ if [ -z "${NO_WHEELS:-}" ] && ls wheelhouse/*.whl >/dev/null 2>&1; then
         wheelhouse/*.whl || { echo "installing wheelhouse/ failed" >&2; exit 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# the package's import names (decodelab.models, ...) without installing it: a namespace
+# folder whose entries link to the repository's top-level folders
+NS=$(mktemp -d)
+mkdir -p "$NS/decodelab"
+for d in models cache decoding experiments; do ln -s "$PWD/$d" "$NS/decodelab/$d"; done
+export PYTHONPATH=$NS${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv >"$DEST/nvidia-smi.txt" 2>&1
 cat "$DEST/nvidia-smi.txt"
-timeout 560 "$PY" -m decodelab.experiments.gpu_check out="$DEST/gpu_check.json" "$@" 2>&1 | tee "$DEST/gpu_check.log"
+timeout 560 "$PY" -m decodelab.experiments.gpu_check out="$DEST" "$@" 2>&1 | tee "$DEST/gpu_check.log"

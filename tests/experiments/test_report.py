@@ -168,7 +168,7 @@ def test_every_entry_gets_its_table_and_bad_lines_are_skipped(tmp_path, caplog):
     (tmp_path / "other" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in other) + "{oops\n")
     md = (tmp_path / "report.md").read_text() if write_report(tmp_path) else ""
     sections = md.split("## ")[1:]
-    assert [s.splitlines()[0] for s in sections] == ["bench", "agree", "micro"]
+    assert [s.splitlines()[0] for s in sections] == ["bench", "agree", "micro: kv_speed"]
     assert "| setup | model | max_abs_dlogit | top1 | passed |" in sections[1] and "| int4 | tiny-llama | 0.5 |" in md
     assert "| setup | model | context | system | itl_ms |" in sections[2] and "| kv_speed | tiny-llama | 1024 |" in md
     assert sum("not a JSON object" in m for m in caplog.messages) == 2  # the list and the broken line
