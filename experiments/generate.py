@@ -29,18 +29,6 @@ from decodelab.models.errors import SetupError, raise_if
 
 log = logging.getLogger("decodelab.generate")
 
-# Hydra overrides `cli` adds (the user's own of the same keys still win): Hydra's loggers
-# print to stderr, not stdout, and a plain call creates no run directory, .hydra/ or generate.log
-QUIET_HYDRA = (
-    "hydra.job_logging.handlers.console.stream=ext://sys.stderr",
-    "hydra.hydra_logging.handlers.console.stream=ext://sys.stderr",
-    "~hydra.job_logging.handlers.file",  # the <run dir>/generate.log copy of the logs
-    "hydra.job_logging.root.handlers=[console]",
-    "hydra.output_subdir=null",
-    "hydra.run.dir=.",
-)
-
-
 def read_prompt(cfg: DictConfig) -> str:
     """The prompt from `prompt=`, `prompt_file=`, or standard input (`prompt=-` or piped)."""
     if cfg.prompt is not None and cfg.prompt_file is not None:
@@ -137,25 +125,13 @@ def emit(cfg: DictConfig, result, conditions: dict, streamed: bool) -> None:
     log.info("conditions: %s", conditions)
 
 
-main = harness.hydra_app("config", lambda cfg, out: run(cfg))
-
-
-def with_quiet_hydra(argv: list[str]) -> list[str]:
-    """`argv` with QUIET_HYDRA just before the first override (`key=value`), or first when
-    there is none: Hydra parses one run of overrides, around its flags, and of two overrides
-    of one key the later wins. ["-m", "a=1"] -> ["-m", *QUIET_HYDRA, "a=1"]. A logging
-    config the user picks (`hydra/job_logging=disabled`) is left as it is."""
-    picked = {a.partition("=")[0].removeprefix("hydra/") for a in argv if a.startswith("hydra/")}
-    quiet = [o for o in QUIET_HYDRA if o.lstrip("~").split(".")[1] not in picked]  # hydra.<group>...
-    i = next((k for k, a in enumerate(argv) if "=" in a and not a.startswith("-")), 0)
-    return [*argv[:i], *quiet, *argv[i:]]
+main = harness.hydra_app("generate", lambda cfg, out: run(cfg))
 
 
 def cli() -> None:
     """Console entry (`decodelab-generate`, `python -m`): every bad config-group option
-    reported with the other problems; then Hydra, its logs on stderr (QUIET_HYDRA)."""
-    precheck(sys.argv[1:], "config", harness.check)
-    sys.argv[1:] = with_quiet_hydra(sys.argv[1:])
+    reported with the other problems, then Hydra (conf/generate.yaml: its logs on stderr)."""
+    precheck(sys.argv[1:], "generate", harness.check)
     main()
 
 

@@ -132,16 +132,3 @@ def test_cli_json_prints_one_record(expected, tmp_path):
     assert rec["conditions"].keys() == expected["conditions"].keys()
     assert rec["conditions"]["device"] == "cpu" and rec["conditions"]["dtype"] == "float32"
     assert f"--- {NEW} tokens" in p.stderr  # the human summary still goes to stderr
-
-
-@pytest.mark.parametrize("argv", [
-    ["-m", "prompt=a,b"], ["prompt=a", "--cfg", "job"], ["--cfg", "hydra", "prompt=a"], [],
-])
-def test_quiet_hydra_overrides_fit_hydras_parser(argv):
-    from hydra._internal.utils import get_args_parser
-
-    from decodelab.experiments.generate import QUIET_HYDRA, with_quiet_hydra
-
-    args = get_args_parser().parse_args(with_quiet_hydra(argv))  # one run of overrides, flags around it
-    users = [a for a in argv if "=" in a]
-    assert args.overrides == [*QUIET_HYDRA, *users]  # the user's come last: theirs win
