@@ -149,29 +149,12 @@ def flat_row(run: dict, root: Path | None = None) -> dict:
     return row
 
 
-def add_speedups(rows: list[dict]) -> list[dict]:
-    """Set `speedup_vs_greedy` on each speculative row that did not measure it against
-    greedy itself (bench's `compare_greedy`): its decode tok/s over that of the greedy row
-    with the same model, cache and workload (the newest one when several); None without
-    such a row."""
-    greedy: dict[tuple, dict] = {}
-    for r in sorted((r for r in rows if r.get("decoder") == "greedy" and not is_speculative(r)),
-                    key=lambda r: str(r.get("finished"))):
-        greedy[(r.get("model"), r.get("cache"), r.get("workload"))] = r
-    for r in rows:
-        base = greedy.get((r.get("model"), r.get("cache"), r.get("workload")))
-        if r.get("speedup_vs_greedy") is not None:  # measured side by side in the run itself
-            continue
-        if is_speculative(r) and base and base.get("decode_tok_s") and r.get("decode_tok_s") is not None:
-            r["speedup_vs_greedy"] = r["decode_tok_s"] / base["decode_tok_s"]
-    return rows
-
-
 def table_rows(runs: list[dict], root: str | Path | None = None) -> list[dict]:
-    """One flat row per run (see `flat_row`), with speedups vs greedy, sorted stably by
-    model, cache, decoder, draft, gamma. `root` makes the `dir` column relative."""
+    """One flat row per run (see `flat_row`), sorted stably by model, cache, decoder, draft,
+    gamma. `root` makes the `dir` column relative. A speedup over greedy is only what a run
+    measured side by side (bench's `compare_greedy`), never a ratio of two runs."""
     rows = [flat_row(r, Path(root) if root is not None else None) for r in runs]
-    return sorted(add_speedups(rows), key=_sort_key)
+    return sorted(rows, key=_sort_key)
 
 
 def fmt(v) -> str:
@@ -314,8 +297,8 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
                                                                         title="Acceptance vs gamma"))]}
     if spec and not by_gamma("speedup_vs_greedy"):
         figs.pop("speculative_vs_gamma")
-        log.info("skipped speculative_vs_gamma.png: no speculative run has a greedy run with the same model, "
-                 "cache and workload")
+        log.info("skipped speculative_vs_gamma.png: no speculative run measured its speedup over greedy "
+                 "side by side (bench's compare_greedy=true)")
     written = {stem: plot(out / f"{stem}.png", panels) for stem, panels in figs.items()}
     return {k: v for k, v in written.items() if v is not None}
 
