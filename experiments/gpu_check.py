@@ -36,26 +36,15 @@ from omegaconf import OmegaConf
 from decodelab.cache.base import CacheLayout
 from decodelab.cache.dense import DenseCache
 from decodelab.cache.int4 import QuantizedCache
-from decodelab.cache.kernels.check import CASES, Case, int4_case, paged_case, run_cases
+from decodelab.cache.kernels.check import CASES, model_shape_cases, run_cases
 from decodelab.cache.kernels.dispatch import impl_problems
 from decodelab.cache.paged import PagedCache
 from decodelab.decoding.compiled import StaticDecoder
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.models.errors import SetupError
-from decodelab.models.loading import CONF_DIR, random_model
+from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
-SMOLLM2_SHAPE = dict(family="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                     intermediate_size=1536, max_seq_len=40960, norm_eps=1e-5, tie_embeddings=True,
-                     rope=dict(theta=100000.0), eos_ids=[2])
-TINY_SHAPE = dict(family="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                  intermediate_size=128, max_seq_len=512, rope=dict(theta=10000.0))
-FULL = dict(device="cuda", dtype="bfloat16", contexts=(1024, 8192, 32768), batches=(1, 16), steps=8, warmup=2,
-            reps=10, copy_mib=4096, compile_backend="inductor", sliding=dict(window=4096, sinks=4), int4={},
-            kernel_dtypes=("float32", "bfloat16"))
-SMOKE = dict(device="cpu", dtype="float32", contexts=(130,), batches=(1, 2), steps=2, warmup=1, reps=2, copy_mib=16,
-             compile_backend="eager", sliding=dict(window=32, sinks=2), int4=dict(residual=16, group_size=32, flush=32),
-             kernel_dtypes=("float32",))
 BACKENDS = (("dense", ("reference",)), ("sliding", ("reference",)), ("paged", ("reference", "triton")),
             ("int4", ("reference", "triton")))
 
@@ -208,7 +197,7 @@ def compiled_entry(rep, name, model, plan, backend, ctx, mode, copy_gbps) -> Non
                               model, cache, ctx, s, copy_gbps))
 
 
-def model_stage(rep: Report, plan: dict, name: str, config: dict, parts: tuple, copy_gbps) -> None:
+def model_stage(rep: Report, plan: dict, name: str, parts: tuple, copy_gbps) -> None:
     """Build the random model, then run its parts: `graph` (the compiled step with CUDA graphs,
     dense and paged, batch 1), `compile` (torch.compile + graph, dense, the first context),
     `decode` (the backend grid). Off CUDA the graph part runs the static step eagerly and
@@ -218,14 +207,15 @@ def model_stage(rep: Report, plan: dict, name: str, config: dict, parts: tuple, 
     if "compile" in parts and set(parts) == {"compile"} and rep.left() < compile_s:
         rep.add("skipped", {"where": f"compile {name}", "why": f"time budget ({rep.left():.0f}s left)"})
         return
-    lm = rep.attempt(f"model {name}", random_model, config, dtype=plan["dtype"], device=str(dev), name=name,
-                     need_s=20)
+    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"), {"dtype": plan["dtype"],
+                                                                                    "device": str(dev)})
+    lm = rep.attempt(f"model {name}", instantiate_unwrapped, spec, need_s=20)
     if lm is None:
         return
     graph = "graph" if dev.type == "cuda" else "eager"
     if "graph" in parts:
         for backend in ("dense", "paged"):
-            for ctx in plan["contexts"][:2] if "smollm2" in name else plan["contexts"]:
+            for ctx in plan["contexts"][:2] if name == plan["models"][0] else plan["contexts"]:
                 rep.attempt(f"compiled {name} {backend} ctx{ctx}", compiled_entry, rep, name, lm.model, plan,
                             backend, ctx, graph, copy_gbps, need_s=10)
         rep.write()
@@ -296,14 +286,8 @@ def kernel_checks(rep: Report, plan: dict, shapes: dict, smoke: bool) -> None:
         return
     smoke_cases = ("paged-q4-causal", "dense-as-pool", "int4-decode")
     cases = [c for c in CASES if c.name in smoke_cases or not smoke]
-    if not smoke:  # the model shapes, bf16, long rows of different lengths
-        for name, (Hq, Hkv, D) in shapes.items():
-            for T in (1, 5):
-                shape = dict(Hq=Hq, Hkv=Hkv, D=D, T=T)
-                cases.append(Case(f"paged-{name}-T{T}", paged_case,
-                                  shape | dict(B=4, bs=16, lengths=(4000, 1000, 9000, 17))))
-                cases.append(Case(f"int4-{name}-T{T}", int4_case,
-                                  shape | dict(B=3, lengths=(6000, 700, 129), group_size=64, residual=112, flush=64)))
+    if not smoke:  # the model shapes, long rows of different lengths
+        cases += model_shape_cases(shapes)
     for dtype in plan["kernel_dtypes"]:
         for case in cases:
             for r in rep.attempt(f"kernel {case.name} {dtype}", run_cases, dev, [getattr(torch, dtype)], [case]) or []:
@@ -347,7 +331,7 @@ def run(cfg, out: Path) -> dict:
     if not cfg.smoke and not torch.cuda.is_available():
         raise SetupError("gpu_check needs a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False); "
                          "on a GPU machine: decodelab-gpu-check; for the CPU dry run: decodelab-gpu-check smoke=true")
-    plan = dict(SMOKE if cfg.smoke else FULL)
+    plan = OmegaConf.to_container(cfg.plans.smoke if cfg.smoke else cfg.plans.full)
     out = Path(cfg.out or os.environ.get("OUT") or out)
     dev = torch.device(plan["device"])
     rep = Report(out, cfg.budget_s or (120 if cfg.smoke else 420), environment(dev), {**plan, "smoke": cfg.smoke})
@@ -356,19 +340,17 @@ def run(cfg, out: Path) -> dict:
     if bw:
         rep.add("copy_bandwidth", bw)
     gbps = bw["GBps"] if bw else None
-    llama = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "llama3-8b-shape.yaml"))["config"]
-    models = {"tiny-llama-shape": TINY_SHAPE} if cfg.smoke else {"smollm2-135m-shape": SMOLLM2_SHAPE,
-                                                                 "llama3-8b-shape": llama}
-    shapes = {n: (c["n_heads"], c["n_kv_heads"], c["head_dim"]) for n, c in models.items()}
+    configs = {n: OmegaConf.load(CONF_DIR / "model" / f"{n}.yaml").config for n in plan["models"]}
+    shapes = {n: (c.n_heads, c.n_kv_heads, c.head_dim) for n, c in configs.items()}
     kernel_checks(rep, plan, shapes, cfg.smoke)
     rep.write()
-    first, *rest = models  # the small model's compiled step first: the 1,500 tokens/s target needs torch.compile
+    first, *rest = plan["models"]  # the small model's compiled step first: the 1,500 tokens/s target needs torch.compile
     stages = [(first, ("graph", "compile"))] + [(n, ("graph", "decode")) for n in rest] + [(first, ("decode",))]
     for name, parts in stages:
-        model_stage(rep, plan, name, models[name], parts, gbps)
+        model_stage(rep, plan, name, parts, gbps)
     attention_grid(rep, plan, shapes, gbps)
     for name in rest:  # torch.compile of the large models: last, only with time to spare
-        model_stage(rep, plan, name, models[name], ("compile",), gbps)
+        model_stage(rep, plan, name, ("compile",), gbps)
     v = verdicts(rep)
     rep.add("verdicts", v)
     rep.write()
