@@ -8,6 +8,9 @@ the whole sequence in one pass.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from decodelab.decoding.prefill import prefill
@@ -120,3 +123,50 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, tokens: list[int] | 
         diff = (ref_logits.argmax(-1).cpu() != torch.tensor(tokens[: ref_logits.shape[0]])).nonzero()
         out["first_diff"] = int(diff[0, 0]) if len(diff) else None
     return out
+
+
+def pool(rows: list[dict]) -> dict:
+    """Per-prompt `compare` results pooled: the worst |dlogit|, KL and top-1 weighted by
+    positions, the earliest first difference and how many prompts have one."""
+    n = sum(r["positions"] for r in rows)
+    diffs = [r["first_diff"] for r in rows if r.get("first_diff") is not None]
+    return {"max_abs_dlogit": max(r["max_abs_dlogit"] for r in rows),
+            "mean_kl": sum(r["kl"] * r["positions"] for r in rows) / n,
+            "top1": sum(r["top1"] * r["positions"] for r in rows) / n, "positions": n,
+            "first_diff": min(diffs) if diffs else None, "prompts_differing": len(diffs), "prompts": len(rows)}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What a setup must meet against its reference; None: not judged."""
+
+    max_abs_dlogit: float | None = None  # worst |logit difference|
+    max_kl: float | None = None  # mean KL(reference || setup)
+    min_top1: float | None = None  # share of positions with the reference's argmax
+    free_identical: bool | None = None  # free-running output token-identical to the reference's
+
+    def problems(self) -> list[str]:
+        number = lambda v, lo, hi: isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi  # noqa: E731
+        p = [f"agreement.{k} must be null (not judged) or a number >= 0, got {getattr(self, k)!r}"
+             for k in ("max_abs_dlogit", "max_kl") if getattr(self, k) is not None and not number(getattr(self, k),
+                                                                                                  0, math.inf)]
+        if self.min_top1 is not None and not number(self.min_top1, 0, 1):
+            p.append(f"agreement.min_top1 must be null (not judged) or a number in [0, 1], got {self.min_top1!r}")
+        if self.free_identical not in (None, True, False):
+            p.append(f"agreement.free_identical must be null, true or false, got {self.free_identical!r}")
+        return p
+
+    def failures(self, pooled: dict, judge_free: bool = True) -> list[str]:
+        """Every threshold `pool`'s result exceeds (NaN exceeds all); the free-running check
+        only when `judge_free` (not for sampled output, nor without free-running tokens)."""
+        out = []
+        if self.max_abs_dlogit is not None and not pooled["max_abs_dlogit"] <= self.max_abs_dlogit:
+            out.append(f"max |dlogit| {pooled['max_abs_dlogit']:.3g} > {self.max_abs_dlogit:.3g}")
+        if self.max_kl is not None and not pooled["mean_kl"] <= self.max_kl:
+            out.append(f"mean KL {pooled['mean_kl']:.3g} > {self.max_kl:.3g}")
+        if self.min_top1 is not None and not pooled["top1"] >= self.min_top1:
+            out.append(f"top-1 {pooled['top1']:.4f} < {self.min_top1:.4f}")
+        if self.free_identical and judge_free and pooled["prompts_differing"]:
+            out.append(f"free-running output differs from the reference's at token {pooled['first_diff']} "
+                       f"({pooled['prompts_differing']}/{pooled['prompts']} prompts)")
+        return out

@@ -25,7 +25,6 @@ gamma) is given as ++cache.block_size=8: it reaches every setup that has it.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from functools import partial
 from pathlib import Path
@@ -35,7 +34,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.dense import DenseCache
-from decodelab.decoding.agreement import compare, dense_logits, first_diff, hf_greedy, hf_logits, setup_logits
+from decodelab.decoding.agreement import (Thresholds, compare, dense_logits, first_diff, hf_greedy, hf_logits, pool,
+                                          setup_logits)
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
@@ -48,7 +48,6 @@ log = logging.getLogger("decodelab.agree")
 
 OWN_KEYS = ("setups", "reference", "forced_tokens", "free_tokens")  # agree's options, not passed to setups
 REFERENCES = ("dense", "transformers")
-THRESHOLDS = ("max_abs_dlogit", "max_kl", "min_top1", "free_identical")
 FIXED_BY_SETUP = ("cache", "decoder", "setup", "experiment")  # groups a setup chooses (not the command line)
 
 
@@ -74,24 +73,13 @@ def option_problems(cfg: DictConfig) -> list[str]:
     return p + harness.int_problems(cfg, {"forced_tokens": 1, "free_tokens": 0, "threads": 1})
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def threshold_problems(agreement) -> list[str]:
-    """A setup's `agreement:` block: known keys, each null or in range."""
+    """A setup's `agreement:` block: known keys (decoding.agreement.Thresholds), each in range."""
+    known = list(Thresholds.__dataclass_fields__)
     if not OmegaConf.is_dict(agreement):
-        return [f"agreement must be a mapping of {list(THRESHOLDS)}, got {agreement!r}"]
-    p = [f"agreement.{k} is not a threshold; known: {list(THRESHOLDS)}" for k in agreement if k not in THRESHOLDS]
-    get = lambda k: agreement.get(k)  # noqa: E731
-    for k in ("max_abs_dlogit", "max_kl"):
-        if get(k) is not None and not (_is_number(get(k)) and get(k) >= 0):
-            p.append(f"agreement.{k} must be null (not judged) or a number >= 0, got {get(k)!r}")
-    if get("min_top1") is not None and not (_is_number(get("min_top1")) and 0 <= get("min_top1") <= 1):
-        p.append(f"agreement.min_top1 must be null (not judged) or a number in [0, 1], got {get('min_top1')!r}")
-    if get("free_identical") is not None and not isinstance(get("free_identical"), bool):
-        p.append(f"agreement.free_identical must be null, true or false, got {get('free_identical')!r}")
-    return p
+        return [f"agreement must be a mapping of {known}, got {agreement!r}"]
+    unknown = [f"agreement.{k} is not a threshold; known: {known}" for k in agreement if k not in known]
+    return unknown or Thresholds(**OmegaConf.to_container(agreement)).problems()
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list, list[str]]:
@@ -236,35 +224,13 @@ def measure(model, built: tuple, prompt: list[int], seq: list[int], ref_logits, 
 
 # -- the matrix ---------------------------------------------------------------------------
 def summarize(name: str, scfg: DictConfig, decoder, per_prompt: list[dict], free_tokens: int) -> dict:
-    """A setup's row: worst |dlogit|, position-weighted mean KL and top-1, first diffs."""
-    n = sum(r["positions"] for r in per_prompt)
-    diffs = [r["first_diff"] for r in per_prompt if r["first_diff"] is not None]
+    """A setup's row: its prompts pooled (decoding.agreement.pool) and judged by its thresholds."""
     sampled = float(scfg.decoder.get("temperature", 0.0) or 0.0) > 0
-    row = {"setup": name, "cache": OmegaConf.to_container(scfg.cache), "decoder": repr(decoder),
-           "max_abs_dlogit": max(r["max_abs_dlogit"] for r in per_prompt),
-           "mean_kl": sum(r["kl"] * r["positions"] for r in per_prompt) / n,
-           "top1": sum(r["top1"] * r["positions"] for r in per_prompt) / n, "positions": n,
-           "first_diff": min(diffs) if diffs else None, "prompts_differing": len(diffs),
-           "prompts": len(per_prompt), "free_tokens": free_tokens, "sampled": sampled,
-           "thresholds": OmegaConf.to_container(scfg.agreement)}
-    row["failures"] = judge(row)
+    row = {"setup": name, "cache": OmegaConf.to_container(scfg.cache), "decoder": repr(decoder), **pool(per_prompt),
+           "free_tokens": free_tokens, "sampled": sampled, "thresholds": OmegaConf.to_container(scfg.agreement)}
+    row["failures"] = Thresholds(**row["thresholds"]).failures(row, judge_free=free_tokens > 0 and not sampled)
     row["passed"] = not row["failures"]
     return row
-
-
-def judge(row: dict) -> list[str]:
-    """Every threshold the row exceeds (NaN exceeds all); sampled output is not judged."""
-    t, out = row["thresholds"], []
-    if t.get("max_abs_dlogit") is not None and not row["max_abs_dlogit"] <= t["max_abs_dlogit"]:
-        out.append(f"max |dlogit| {row['max_abs_dlogit']:.3g} > {t['max_abs_dlogit']:.3g}")
-    if t.get("max_kl") is not None and not row["mean_kl"] <= t["max_kl"]:
-        out.append(f"mean KL {row['mean_kl']:.3g} > {t['max_kl']:.3g}")
-    if t.get("min_top1") is not None and not row["top1"] >= t["min_top1"]:
-        out.append(f"top-1 {row['top1']:.4f} < {t['min_top1']:.4f}")
-    if t.get("free_identical") and not row["sampled"] and row["free_tokens"] and row["prompts_differing"]:
-        out.append(f"free-running output differs from the reference's at token {row['first_diff']} "
-                   f"({row['prompts_differing']}/{row['prompts']} prompts)")
-    return out
 
 
 def _first_diff_cell(r: dict) -> str:

@@ -39,7 +39,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from decodelab.decoding.agreement import compare, dense_logits, first_diff, setup_logits
+from decodelab.decoding.agreement import compare, dense_logits, first_diff, pool, setup_logits
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.speculative import predicted_speedups
@@ -226,8 +226,8 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
         "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         **{k: mean([s[k] for s in spec]) for k in ("acceptance_rate", "mean_accepted", "alpha")},
         "predicted_speedup": mean([s["predicted_speedup"] for s in spec if s["predicted_speedup"]]),
-        "agree_top1": mean([a["top1"] for a in agree]), "agree_kl": mean([a["kl"] for a in agree]),
-        "agree_max_abs_dlogit": max((a["max_abs_dlogit"] for a in agree), default=None),
+        **({f"agree_{k}": pool(agree)[v] for k, v in (("top1", "top1"), ("kl", "mean_kl"),
+                                                         ("max_abs_dlogit", "max_abs_dlogit"))} if agree else {}),
         "prompts": len(recs), "new_tokens": sum(r["new_tokens"] for r in recs),
         **vs_greedy([r for r in recs if r.get("greedy")]),
         **vs_transformers([r for r in recs if r.get("transformers")], dec_s),
