@@ -10,16 +10,11 @@ import torch
 from decodelab.cache.base import CacheLayout
 from decodelab.cache.sliding import SlidingCache
 from decodelab.models.errors import SetupError
-from tests.cache.test_contract import BACKENDS, D, H_KV, History, build, check_all
+from tests.cache.conftest import D, H_KV, History, build, check_all
 
 N = 40  # tokens fill_random writes per row
 WINDOWS = (8, None)  # layer 0 windowed, layer 1 full
 REFUSALS = {"int4": "int4 grows per-row stores on the host", "sliding": "sliding plans its ring writes"}
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    return request.param
 
 
 def filled(backend: str, seed: int = 0):
@@ -52,7 +47,7 @@ def test_fill_random_leaves_a_cache_that_decodes(backend):
     """Bookkeeping consistent with the stored K/V: the next tokens attend over exactly
     what `read` returns (the contract's reference over that history)."""
     c = filled(backend, seed=3)
-    h = History(c)
+    h = History(c, WINDOWS)
     for layer in range(2):
         for row in range(2):
             pos, k, v = c.read(layer, row)

@@ -21,7 +21,7 @@ from decodelab.decoding.drafters import EarlyExit, ModelDrafter
 from decodelab.decoding.speculative import SpeculativeDecoder
 from decodelab.decoding.text import make_cache
 from decodelab.models.errors import SetupError
-from tests.cache.test_contract import History, assert_close, build, check_all
+from tests.cache.conftest import History, assert_close, build, check_all
 from tests.conftest import random_ids
 
 # small groups and residual so that the contract shapes (head_dim 8) really quantize
@@ -58,7 +58,7 @@ def dequantized(x: torch.Tensor, g: Grouping, scale_dtype=torch.float16) -> torc
 @pytest.mark.parametrize("key_axis", ["channel", "token"])  # token: windows start inside the residual
 def test_contract_attention_while_quantizing(windows, q_len, key_axis):
     c = build("int4", windows, capacity=128, key_axis=key_axis, **SMALL)
-    h = History(c)
+    h = History(c, windows)
     pos = torch.arange(70).expand(2, -1)
     valid = pos < torch.tensor([[45], [70]])  # mixed lengths, padding never stored
     check_all(h, h.step(pos, valid, seed=1), pos, valid)

@@ -24,7 +24,7 @@ from decodelab.cache.kernels.check import CASES, DTYPES, TOLERANCE, cache_case, 
 from decodelab.cache.kernels.dispatch import impl_problems, resolve_impl, triton_installed
 from decodelab.cache.paged import PagedCache
 from decodelab.models.errors import SetupError
-from tests.cache.test_contract import build
+from tests.cache.conftest import build
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")

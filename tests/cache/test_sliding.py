@@ -14,7 +14,7 @@ from decodelab.cache.sliding import SlidingCache, sliding_memory
 from decodelab.decoding import generate, greedy, prefill
 from decodelab.decoding.text import make_cache
 from decodelab.models.errors import SetupError
-from tests.cache.test_contract import History, build, check_all
+from tests.cache.conftest import History, build, check_all
 from tests.conftest import random_ids
 
 ROLLBACK = 4
@@ -223,7 +223,7 @@ def test_no_windows_no_option_is_dense(tiny_llama):
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_imposed_window_with_sinks_against_contract_reference(q_len):
     c = build("sliding", (None, None), window=6, sinks=2, rollback=3)
-    h = History(c)
+    h = History(c, (6, 6), sinks=2)  # the window and sinks imposed on both layers
     pos = torch.arange(23).expand(2, -1)
     valid = pos < torch.tensor([[13], [23]])
     check_all(h, h.step(pos, valid, seed=1), pos, valid)
