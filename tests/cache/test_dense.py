@@ -86,12 +86,16 @@ def test_attention_mask_window_semantics():
     assert attention_mask(torch.tensor([[7]]), torch.arange(8)[None], None) is None
 
 
-def test_softcap_path_matches_formula():
-    torch.manual_seed(0)
-    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
-    out = reference_attention(q, k, v, None, 0.5, softcap=2.0)
-    s = torch.tanh((q @ k.transpose(-1, -2)) * 0.5 / 2.0) * 2.0
-    torch.testing.assert_close(out, torch.softmax(s, -1) @ v, rtol=1e-5, atol=1e-6)
+def test_softcap_gqa_attention_by_hand():
+    """4 query heads [1, 0] over 2 KV heads (heads 0, 1 read KV head 0; 2, 3 read KV head 1),
+    scale 1, softcap 1: scores [2, 0] are capped to [tanh 2, 0] = [0.96403, 0], whose
+    softmax is [0.7239, 0.2761] (uncapped it would be [0.8808, 0.1192]); v = identity."""
+    q = torch.tensor([1.0, 0.0]).expand(1, 4, 1, 2)  # [B, Hq, T, D]
+    k = torch.tensor([[[2.0, 0.0], [0.0, 0.0]], [[0.0, 0.0], [2.0, 0.0]]])[None]  # [B, Hkv, S, D]
+    v = torch.eye(2).expand(1, 2, 2, 2)  # [B, Hkv, S, D]
+    out = reference_attention(q, k, v, None, 1.0, softcap=1.0)
+    want = torch.tensor([[0.7239, 0.2761]] * 2 + [[0.2761, 0.7239]] * 2)[None, :, None]  # [B, Hq, T, D]
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-4)
 
 
 def test_truncate_then_continue_overwrites():

@@ -81,13 +81,18 @@ def test_contract_attention_while_quantizing(windows, q_len, key_axis):
 @pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("nbits", [4, 2])
 def test_dequantize_matches_quanto(axis, nbits):
-    """The fused unpack reads quanto's packing: the same values as quanto's own dequantize()."""
+    """Each group's scale and offset are its own (max - min) / (2^bits - 1) and min, and the
+    fused unpack reads quanto's packing: the same values as quanto's own dequantize()."""
     torch.manual_seed(0)
     g = Grouping(axis, 32, nbits)
     x = torch.randn(2, 64, 64) * 3 + 1  # [H, N, D]
     s = quantize(x, g, torch.float32)
-    ref = quantize_weight(g.columns(x), getattr(quanto, QTYPES[nbits]), -1, columns(s.scale, g), -columns(s.offset, g), 32,
-                          optimized=False)
+    cols = g.columns(x)  # [G, C]: one group per column
+    lo = cols.amin(0, keepdim=True)  # [1, C]
+    step = (cols.amax(0, keepdim=True) - lo) / (2**nbits - 1)  # [1, C]: 2^bits codes span [min, max]
+    torch.testing.assert_close(columns(s.scale, g), step, rtol=1e-6, atol=0)
+    assert torch.equal(columns(s.offset, g), lo)  # x ~= scale * code + offset: code 0 is the minimum
+    ref = quantize_weight(cols, getattr(quanto, QTYPES[nbits]), -1, step, -lo, 32, optimized=False)
     assert torch.equal(ref._data._data, columns(s.data, g))  # quanto's bytes, stored as they are
     torch.testing.assert_close(g.columns(dequantized(x, g, torch.float32)), ref.dequantize(), rtol=1e-6, atol=1e-5)
 
@@ -98,10 +103,13 @@ def test_round_trip_error_within_half_a_step(axis):
     g = Grouping(axis, 64, 4)
     x = torch.randn(3, 128, 64) * torch.linspace(0.1, 5, 64)  # channels of different ranges
     s = quantize(x, g, torch.float16)
+    cols = g.columns(x)  # [G, C]
+    lo = cols.amin(0, keepdim=True)  # [1, C]
+    step = (cols.amax(0, keepdim=True) - lo) / 15  # [1, C]: 16 codes span each group's [min, max]
+    torch.testing.assert_close(columns(s.scale, g).float(), step, rtol=2**-11, atol=0)  # fp16 rounding
     err = g.columns((dequantized(x, g) - x).abs())  # [G, C]
-    scale, offset = columns(s.scale, g).float(), columns(s.offset, g).float()  # [1, C]
-    slack = 2**-10 * (offset.abs() + 15 * scale) + 1e-6  # scales and shifts rounded to fp16
-    assert bool((err <= scale / 2 + slack).all())
+    slack = 2**-10 * (lo.abs() + 15 * step) + 1e-6  # scales and shifts rounded to fp16
+    assert bool((err <= step / 2 + slack).all())
 
 
 def test_qint2_coarser_than_qint4():

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from decodelab.cache.base import CacheLayout
-from decodelab.cache.kernels.check import CASES, DTYPES, TOLERANCE, cache_case, int4_case, paged_case, run_cases
+from decodelab.cache.kernels.check import CASES, cache_case, int4_case, paged_case, run_cases
 from decodelab.cache.kernels.dispatch import impl_problems, resolve_impl, triton_installed
 from decodelab.cache.paged import PagedCache
 from decodelab.models.errors import SetupError
@@ -29,6 +29,9 @@ from tests.cache.conftest import build
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# max abs error of a kernel against its torch reference (outputs of order 1): fp32 to float
+# rounding, bf16 to a few units of its 2^-8 rounding. The test's own limits, not check.py's.
+LIMIT = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def pythonpath() -> str:
@@ -52,7 +55,7 @@ def interpreted() -> dict:
 def test_kernel_matches_reference_in_interpreter(interpreted, case, dtype):
     r = interpreted[case, dtype]
     assert r["finite"], f"{case} {dtype}: non-finite kernel output"
-    assert r["max_abs_err"] <= TOLERANCE[DTYPES[dtype]], f"{case} {dtype}: max abs error {r['max_abs_err']:.3g}"
+    assert r["max_abs_err"] <= LIMIT[getattr(torch, dtype)], f"{case} {dtype}: max abs error {r['max_abs_err']:.3g}"
 
 
 def ptxas_bundled() -> bool:
@@ -82,7 +85,9 @@ def test_kernels_compile_for_hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_cases_on_cuda(dtype):
-    bad = [r for r in run_cases("cuda", [dtype]) if not r["ok"]]
+    results = run_cases("cuda", [dtype])
+    assert sorted(r["case"] for r in results) == sorted(c.name for c in CASES)
+    bad = [r for r in results if not (r["finite"] and r["max_abs_err"] <= LIMIT[dtype])]
     assert not bad, bad
 
 
@@ -103,7 +108,7 @@ def test_kernel_grid_on_cuda(shape, dtype):
     run = int4_case if "group_size" in shape else paged_case
     got, want = run("cuda", dtype, **shape)
     assert got.isfinite().all()
-    assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
+    assert (got.float() - want.float()).abs().max().item() <= LIMIT[dtype]
 
 
 @needs_triton
@@ -112,7 +117,8 @@ def test_kernel_grid_on_cuda(shape, dtype):
 @pytest.mark.parametrize("backend", ["paged", "int4"])
 def test_caches_agree_on_cuda(backend):
     got, want = cache_case("cuda", torch.bfloat16, backend=backend)
-    assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    assert got.isfinite().all()
+    assert (got.float() - want.float()).abs().max().item() <= LIMIT[torch.bfloat16]
 
 
 # -- the impl switch ----------------------------------------------------------------------

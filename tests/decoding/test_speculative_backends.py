@@ -85,8 +85,9 @@ def crossings(name: str, log: list, layout: CacheLayout) -> int:
                 n += -(-a // cache.block_size) < -(-b // cache.block_size)
             elif name == "int4":  # a rolled-back query saw a block quantized that the next one sees exact
                 n += cache.quantized_prefix(b - 1) > cache.quantized_prefix(a)
-            elif name == "sliding":  # the rolled-back positions wrapped around a ring
-                rings = {r for r in cache._rings if r is not None}
+            elif name == "sliding":  # the rolled-back positions wrapped around a ring of window + rollback slots
+                windows = {cache.window(layer) for layer in range(cache.layout.n_layers)} - {None}
+                rings = {w + int(cache.rollback_limit) for w in windows}
                 n += any(a // r != (b - 1) // r for r in rings)
             else:
                 n += 1
