@@ -46,6 +46,7 @@ from decodelab.decoding.speculative import predicted_speedups
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.cli import precheck
+from decodelab.experiments.report import read_results
 from decodelab.models.reference import hf_model_for
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import instantiate_unwrapped
@@ -99,13 +100,10 @@ def describe(cfg: DictConfig) -> dict:
 
 
 def finished_run(out: Path, run_hash: str) -> dict | None:
-    """The summary of a finished run of this config in `out`, if there is one."""
+    """The summary of a finished run of this config in `out`, if there is one (a results
+    file that is unreadable or not this run's is no finished run: the run goes ahead)."""
     f = out / RESULTS
-    if not f.is_file():
-        return None
-    lines = f.read_text().strip().splitlines()
-    last = json.loads(lines[-1]) if lines else {}
-    return last if last.get("kind") == "summary" and last.get("run") == run_hash else None
+    return next((r for r in read_results(f) if r.get("run") == run_hash), None) if f.is_file() else None
 
 
 # -- measuring --------------------------------------------------------------------------
