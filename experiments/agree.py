@@ -1,25 +1,15 @@
 """The agreement matrix: every named setup (conf/setup/) against a reference, per prompt.
 
-    decodelab-agree [setups=[dense,paged,int4]] [reference=dense|transformers]
-        [model=smollm2-135m] [workload=jsonl workload.path=prompts.jsonl]
-        [forced_tokens=64] [free_tokens=32] [agreement.max_kl=0.01] [draft.layers=4]
+    decodelab-agree [setups=[dense,paged,int4]] [reference=dense|transformers] [workload=...]
+        [forced_tokens=64] [free_tokens=32] [agreement.max_kl=0.01] [++cache.block_size=8]
 
-For each prompt the reference (our dense cache in one pass, or transformers' own model)
-gives the logits of one token sequence: the prompt + the workload's reply, else + the
-reference's greedy continuation. Each setup is teacher-forced over the same sequence
-through its own cache, fed as its decoder feeds it (one token per step; a speculative
-setup in verification steps of gamma + 1 tokens with rollbacks): max |logit
-difference|, mean KL(reference || setup) and top-1 agreement. Then each setup decodes
-`free_tokens` tokens with its own decoder: the first position where its output leaves
-the reference's greedy output (not judged for a sampling decoder).
-
-Thresholds come from each setup's `agreement:` block (null: not judged). The matrix is
-printed and written as results.jsonl (`experiments.report` reads it) and agree.md into
-the Hydra run directory. Exit 0:
-every setup within its thresholds; 1: some setup exceeds one; 2: a bad config or
-option, with every reason, before any weights load (an unknown group option or key too).
-An option of a group that agree's own defaults lack (paged's block_size, speculative's
-gamma) is given as ++cache.block_size=8: it reaches every setup that has it.
+Per prompt, the reference (dense in one pass, or transformers' own model) gives the logits
+of the prompt + its reply (else the reference's greedy continuation); each setup is
+teacher-forced over it as its decoder feeds its cache (decoding.agreement.setup_logits),
+then decodes `free_tokens` freely: where it first leaves the reference's greedy output.
+Each setup is judged by its `agreement:` thresholds. Exit 0: all pass; 1: some setup
+exceeds one; 2: a bad config, every reason, before weights load. An option only some
+setups have is given as ++key=value and reaches those.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""Benchmark one setup on a workload; write `results.jsonl` into the Hydra run directory.
+"""Benchmark one setup on a workload into `results.jsonl` (README, "Experiments").
 
-    decodelab-bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup]
-        [workload=sharegpt workload.n=8 | workload=synthetic workload.lengths=[128,1024]
-         | workload=jsonl workload.path=prompts.jsonl] [max_new_tokens=64] [batch_size=1]
+    decodelab-bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup] [workload=...]
     decodelab-bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
     decodelab-bench -m experiment=compare        # README's main job; presets in conf/experiment/
 
-Metrics, as serving engineers measure them: TTFT split into tokenize / prefill / first
-sampling, ITL p50/p95/p99 over every generated token, prompt and decode tokens/s, KV
-bytes by formula and allocated, peak memory (RSS; CUDA where present), the speculative
-statistics, and (`agree_with_dense`) top-1 / KL / first difference of this setup's
-logits against the dense cache, teacher-forced over the tokens it generated, fed as its
-decoder feeds its cache (decoding.agreement, the same measurement `experiments.agree`
-makes). Side by side in the same run, prompt by prompt: `compare_greedy` (a decoder
-with a drafter also decodes greedily: measured speedup, token identity, Leviathan's
-prediction and the efficiency) and `compare_transformers` (transformers' `generate()`
-on the same token ids: TTFT, decode tok/s, token identity).
-
-Nothing is lost: the results file is written atomically when the run finishes. A
-sweep's directories are stable (outputs/sweeps/<name>/<overrides>): rerunning the same
-sweep skips each finished run (same hash of the resolved config) unless `redo=true`. A
-multirun ends with the sweep's report (CSV, Markdown, plots) and its table.
+Per prompt: TTFT (tokenize / prefill / first sampling), every ITL, tok/s, KV bytes, the
+speculative statistics, agreement with dense (decoding.agreement, as `agree` measures it);
+side by side, prompt by prompt: greedy (`compare_greedy`) or transformers' `generate()`
+(`compare_transformers`). Results are written atomically when a run finishes; a rerun of a
+sweep skips every finished run (same config hash) unless `redo=true`; a multirun ends
+with its report.
 """
 
 from __future__ import annotations

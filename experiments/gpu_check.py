@@ -1,24 +1,15 @@
-"""One prepared GPU check: kernel correctness, copy bandwidth, decode speed of every cache
-backend (reference vs Triton), attention alone, and the compiled step, as results.jsonl
-(one record per measurement; `decodelab-report` makes the tables). Under 8 minutes on one
-H200 (a time budget skips what does not fit; one failure never ends the run).
+"""One prepared GPU check (README, "GPU path"), under 8 minutes on one H200: kernel
+correctness, the copy bandwidth (the roofline), decode speed of every cache backend
+(reference vs Triton) on random models at GPU shapes, attention alone, the compiled step,
+and the targets' verdicts, one record each in results.jsonl (written after every
+section; a time budget skips what does not fit; one failure never ends the run).
 
-    decodelab-gpu-check                  # a CUDA GPU: the full check
+    decodelab-gpu-check                  # a CUDA GPU: the full check (plans in conf/gpu_check.yaml)
     decodelab-gpu-check smoke=true       # tiny shapes on the CPU (tests run this)
     options: out=DIR (default $OUT, else outputs/gpu_check/<time>), budget_s=420
 
-Records, by `setup.name`:
-- copy_bandwidth: a device-to-device copy, bytes read + written per second (the roofline);
-- kernel_checks: every case of cache/kernels/check.py in fp32 and bf16, plus model shapes;
-- compiled: StaticDecoder (CUDA graph) batch-1 decode, SmolLM2 and Llama-3-8B shapes;
-- decode: batch 1 and 16 at 1k / 8k / 32k context, llama3-8b-shape and smollm2-135m-shape
-  random bf16 models, caches dense, sliding (window 4096 imposed: approximate), paged and
-  int4 with impl=reference and impl=triton (one filled cache, impl switched between runs);
-  tokens/s, bytes read per step (weights + K/V read) and that over the copy bandwidth;
-- attention: one layer's decode attention alone, per backend and impl, same grid;
-- verdicts: the issue's targets computed from the numbers above; error, skipped.
-Caches are filled with random K/V by their `fill_random` (no prefill: decode speed does not
-depend on values); bytes read per step come from their `read_bytes` (cache/base.py).
+Caches are filled by their `fill_random` (decode speed does not depend on values); bytes
+read per step come from their `read_bytes`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Microbenchmarks: one step or one forward, timed side by side in one process.
+"""Microbenchmarks: one step or one forward, timed side by side in one process
+(experiments/README.md has the tables).
 
-    decodelab-micro part=kv_speed     # decode ITL per cache backend and transformers' QuantizedCache
-    decodelab-micro part=kv_quality   # int4 KV (ours, transformers' QuantizedCache) vs dense, teacher-forced
+    decodelab-micro part=kv_speed     # decode step per backend and transformers' QuantizedCache, 1k and 4k
+    decodelab-micro part=kv_quality   # int4 KV (ours, transformers') vs dense, teacher-forced ShareGPT replies
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
-
-Where `experiments.bench` measures whole generations, these isolate one cost:
-- kv_speed: after a synthetic prompt of each context length, the median decode step of
-  each backend (conf/cache options) and of transformers' `QuantizedCache(backend="quanto")`
-  at the same int4 settings, alternating systems within each repeat; KV bytes held;
-- kv_quality: ShareGPT prompts, each followed by `forced_tokens` of its reply fed one
-  token at a time through our int4 cache and through transformers' QuantizedCache;
-  top-1 agreement and KL (float64, never negative) against the dense cache's logits;
-- verify_cost: one target forward of T tokens after a prompt (what verifying gamma = T - 1
-  drafts costs) for each `models.matmul` impl, as a ratio to T = 1 under the same impl.
-
-Every row goes into results.jsonl (`experiments.report` reads it) under
-outputs/micro/<part>/<time>/, printed with the run conditions.
 """
 
 from __future__ import annotations

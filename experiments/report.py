@@ -11,9 +11,6 @@ a warning. A run ID seen more than once (a sweep rerun with redo) keeps its newe
 `finished` record, so the report holds every run exactly once. Each entry point gets its
 table (bench: the comparison columns; agree, micro, gpu_check: their metrics); the
 plots are of bench's generations.
-
-Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch); a
-plot with no data is skipped with a logged message.
 """
 
 from __future__ import annotations
@@ -31,12 +28,8 @@ from decodelab.models.loading import CONF_DIR
 
 log = logging.getLogger("decodelab.report")
 
-RESULTS = "results.jsonl"  # experiments.harness.RESULTS (not imported: report needs no torch)
+RESULTS = "results.jsonl"  # experiments.harness.RESULTS
 SETUP_FIELDS = ("name", "model", "cache", "decoder", "needs_drafter", "draft", "gamma", "workload", "experiment")
-METRIC_FIELDS = ("ttft_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "decode_tok_s", "prompt_tok_s",
-                 "kv_mib", "kv_mib_formula", "peak_rss_mib", "peak_cuda_mib", "acceptance_rate",
-                 "mean_accepted", "alpha", "predicted_speedup", "agree_top1", "agree_kl",
-                 "agree_max_abs_dlogit")
 # the comparison the main job prints; `model`/`workload` are prepended when they vary
 MAIN_COLUMNS = ("name", "cache", "decoder", "draft", "gamma", "prompt_tokens", "ttft_ms", "itl_p50_ms", "decode_tok_s",
                 "kv_mib", "agree_top1", "agree_kl", "acceptance_rate", "speedup_vs_greedy")
@@ -55,11 +48,6 @@ ITL_BINS = 20
 
 
 # ---------------------------------------------------------------- loading
-
-def find_results(root: str | Path) -> list[Path]:
-    """Every `results.jsonl` under `root` (root itself included), in path order."""
-    return sorted(Path(root).rglob(RESULTS))
-
 
 def read_results(path: str | Path) -> list[dict]:
     """The summary records of one `results.jsonl`, each with its prompt lines (same
@@ -101,23 +89,17 @@ def finished_at(run: dict) -> datetime:
 
 
 def dedupe(runs: list[dict]) -> list[dict]:
-    """One record per run hash: the newest `finished` (ties: the later path)."""
+    """One record per run ID: the newest `finished` (ties: the later path)."""
     best: dict[str, dict] = {}
-    for r in runs:
-        key = r.get("run") or str(r["path"])
-        old = best.get(key)
-        if old is not None:
-            keep, drop = (r, old) if finished_at(r) >= finished_at(old) else (old, r)
-            log.info("run %s found twice: kept %s, dropped %s", key, keep["path"], drop["path"])
-            r = keep
-        best[key] = r
+    for r in sorted(runs, key=finished_at):  # stable: equal times keep path order
+        best[r.get("run") or str(r["path"])] = r
     return list(best.values())
 
 
 def load_runs(root: str | Path) -> list[dict]:
     """The finished runs under `root`: summary records with `prompts` (their prompt rows)
     and `path` attached, one per run hash (the newest `finished`), in path order."""
-    runs = [r for p in find_results(root) for r in read_results(p)]
+    runs = [r for p in sorted(Path(root).rglob(RESULTS)) for r in read_results(p)]
     return sorted(dedupe(runs), key=lambda r: str(r["path"]))
 
 
@@ -142,7 +124,6 @@ def flat_row(run: dict, root: Path | None = None) -> dict:
     if root is not None and path.is_relative_to(root):
         path = path.relative_to(root)
     row = {"entry": run.get("entry", "bench"), "run": run.get("run"), **{k: setup.get(k) for k in SETUP_FIELDS}}
-    row.update({k: metrics.get(k) for k in (METRIC_FIELDS if row["entry"] == "bench" else ())})
     row.update({k: v for k, v in metrics.items() if k not in row})
     row.update(speedup_vs_greedy=metrics.get("speedup_vs_greedy"), n_prompts=len(run.get("prompts", [])),
                finished=run.get("finished"), dir=str(path))
