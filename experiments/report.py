@@ -242,7 +242,7 @@ def plot(path: Path, panels: list[tuple[dict, dict]], style: str = "o-") -> Path
     for i, (series, settings) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
         for name, pts in series.items():
-            ax.plot(*zip(*sorted(pts)), style, label=name, linewidth=0.9)
+            ax.plot(*zip(*sorted(pts)), "--" if name.endswith("formula") else style, label=name, linewidth=0.9)
         ax.set(**settings)
         ax.grid(True, alpha=0.3)
         if series:
