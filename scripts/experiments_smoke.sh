@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every command of experiments/README.md at its smallest setting (the tiny random model
+# where the question allows, a few tokens otherwise), each timed, into one directory; then
+# decodelab-report over all of it. A check that the commands run as written on a fresh
+# clone after `make setup`:   bash scripts/experiments_smoke.sh [OUTDIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=.venv/bin
+OUT=${1:-outputs/smoke}
+rm -rf "$OUT" && mkdir -p "$OUT"
+TINY=(model=tiny-llama model.device=cpu threads=1)
+fails=0
+run() {  # name, then the command
+    local name=$1 s rc
+    shift
+    s=$(date +%s)
+    "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || fails=$((fails + 1))
+    printf '%-12s rc=%d %4ds  %s\n' "$name" "$rc" "$(( $(date +%s) - s ))" "$*"
+}
+run baseline $B/decodelab-bench -m experiment=baseline "${TINY[@]}" max_new_tokens=4 workload.per_length=1 \
+    'workload.lengths=[32]' "hydra.sweep.dir=$OUT/baseline"
+run agree $B/decodelab-agree reference=transformers workload=jsonl \
+    workload.path=experiments/results/agree-prompts.jsonl workload.n=1 forced_tokens=4 free_tokens=4 \
+    "${TINY[@]}" draft.layers=1 "hydra.run.dir=$OUT/agree"
+run lossless $B/decodelab-bench -m name=lossless cache=dense,paged,int4,sliding decoder=speculative \
+    draft=prompt-lookup compare_greedy=true agree_with_dense=false workload=synthetic 'workload.lengths=[200]' \
+    max_new_tokens=8 "${TINY[@]}" "hydra.sweep.dir=$OUT/lossless"
+run gamma $B/decodelab-bench -m experiment=gamma workload=synthetic 'workload.lengths=[40]' max_new_tokens=8 \
+    draft=prompt-lookup decoder.gamma=2,4 "${TINY[@]}" "hydra.sweep.dir=$OUT/gamma"
+run verify_cost $B/decodelab-micro part=verify_cost 'tokens=[1,3]' repeats=2 "${TINY[@]}" "hydra.run.dir=$OUT/verify_cost"
+run kv_speed $B/decodelab-micro part=kv_speed 'contexts=[64]' steps=2 repeats=1 "${TINY[@]}" "hydra.run.dir=$OUT/kv_speed"
+run kv_quality $B/decodelab-micro part=kv_quality prompts=1 forced_tokens=8 "${TINY[@]}" "hydra.run.dir=$OUT/kv_quality"
+run context $B/decodelab-bench -m experiment=context 'workload.lengths=[64,128]' max_new_tokens=4 "${TINY[@]}" \
+    "hydra.sweep.dir=$OUT/context"
+run generate $B/decodelab-generate prompt="Hello" max_new_tokens=4 "${TINY[@]}" json=true
+run gpu_check $B/decodelab-gpu-check smoke=true "out=$OUT/gpu_check"
+run report $B/decodelab-report "$OUT"
+echo "$fails failed"
+[ "$fails" -eq 0 ]
