@@ -112,6 +112,7 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, tokens: list[int] | 
     """Agreement of logits [N, V] with reference logits [N, V]: top-1 agreement, mean
     KL(ref || other), max |logit difference|; with the `tokens` [N] actually fed, the
     first position whose token differs from the reference's argmax (None: none does)."""
+    ref_logits, logits = ref_logits.double(), logits.double().to(ref_logits.device)  # float64: a KL of ~1e-12 stays
     lp, lq = ref_logits.log_softmax(-1), logits.log_softmax(-1)
     p, q = lp.exp(), lq.exp()
     # KL = sum_x p log(p / q) - p + q (the added terms sum to 0); each term is >= 0 in exact

@@ -1,1 +1,1 @@
-"""Hydra entry points: generate (CLI), baseline (vs transformers)."""
+"""The entry points, all Hydra apps on one harness: generate, bench, agree, micro, gpu_check, report."""

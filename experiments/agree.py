@@ -203,8 +203,7 @@ def reply_ids(req, lm, n: int) -> list[int]:
 def measure(model, built: tuple, prompt: list[int], seq: list[int], ref_logits, ref_free: list[int]) -> dict:
     """One setup on one prompt: teacher-forced agreement and the free-running first diff."""
     factory, decoder = built
-    logits = setup_logits(model, factory, decoder, prompt, seq).to(ref_logits.device)  # [N, V]
-    row = compare(ref_logits.double(), logits.double())  # float64: a KL of ~1e-12 is not lost in rounding
+    row = compare(ref_logits, setup_logits(model, factory, decoder, prompt, seq))  # [N, V] each
     row["first_diff"], row["decoder_stats"] = None, {}
     if ref_free:
         toks, stats = free_run(model, factory, decoder, prompt, len(ref_free))
@@ -251,7 +250,7 @@ def records(header: dict, rows: list[dict], per_prompt: dict, run_id: str) -> li
     """The results schema: per setup its prompt lines and one summary (a matrix row)."""
     out = []
     for r in rows:
-        run = f"agree-{run_id}-{r['setup']}"
+        run = f"{run_id}-{r['setup']}"
         out += [{"kind": "prompt", "run": run, **p} for p in per_prompt[r["setup"]]]
         setup = {"name": r["setup"], "model": header["model"], "reference": header["reference"],
                  "workload": header["workload"], "cache": r["cache"].get("_target_"), "decoder": r["decoder"]}
@@ -265,7 +264,7 @@ def write_outputs(out_dir: Path, header: dict, rows: list[dict], per_prompt: dic
     out_dir.mkdir(parents=True, exist_ok=True)
     md = f"# Agreement matrix\n\n{_header_line(header)}\n\n{markdown(rows)}"
     (out_dir / "agree.md").write_text(md)
-    return [harness.write_jsonl(out_dir / harness.RESULTS, records(header, rows, per_prompt, out_dir.name)), out_dir / "agree.md"]
+    return [harness.write_jsonl(out_dir / harness.RESULTS, records(header, rows, per_prompt, harness.run_id("agree"))), out_dir / "agree.md"]
 
 
 def _header_line(h: dict) -> str:

@@ -50,8 +50,13 @@ def check(cfg: DictConfig):
     """Every problem of the run options, the setup and the workload, together; returns
     the validated workload."""
     reasons = harness.int_problems(cfg, {"max_new_tokens": 1, "batch_size": 1, "threads": 1})
-    if cfg.compare_transformers and cfg.batch_size != 1:
-        reasons.append("compare_transformers times transformers' generate() one prompt at a time: use batch_size=1")
+    if cfg.compare_transformers:  # transformers' greedy generate() at full precision, one prompt at a time
+        lossless = harness.declared(cfg.decoder, "lossless_at_temperature_0") and not cfg.decoder.get("temperature")
+        reasons += [f"compare_transformers {why}" for ok, why in (
+            (cfg.batch_size == 1, "times transformers' generate() one prompt at a time: use batch_size=1"),
+            (lossless, "compares against transformers' greedy output: use a decoder at temperature 0"),
+            (cfg.model.get("weights", "none") == "none", "runs transformers at full precision: use "
+                                                             "model.weights=none")) if not ok]
     workload = None
     for fn in (lambda: harness.check(cfg), lambda: instantiate_unwrapped(cfg.workload)):
         try:
@@ -183,7 +188,7 @@ def hf_generate(hf, ids: list[int], new_tokens: int, eos: tuple, ours: list[int]
     stream = _TimingStreamer(time.perf_counter())
     with torch.no_grad():
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                          min_new_tokens=1 if eos else new_tokens, streamer=stream, pad_token_id=0,
+                          min_new_tokens=None if eos else new_tokens, streamer=stream, pad_token_id=0,
                           eos_token_id=list(eos) or None)
     harness.sync(hf.device)
     tokens = out[0, len(ids):].tolist()
@@ -217,7 +222,7 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
                                                          ("max_abs_dlogit", "max_abs_dlogit"))} if agree else {}),
         "prompts": len(recs), "new_tokens": sum(r["new_tokens"] for r in recs),
         **vs_greedy([r for r in recs if r.get("greedy")]),
-        **vs_transformers([r for r in recs if r.get("transformers")], dec_s),
+        **vs_transformers([r for r in recs if r.get("transformers")]),
     }
     cond = {**harness.run_conditions(lm.model), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
     return harness.summary("bench", run_hash, describe(cfg), metrics, cond, cfg)
@@ -239,7 +244,7 @@ def vs_greedy(recs: list[dict]) -> dict:
     return m
 
 
-def vs_transformers(recs: list[dict], dec_s: float) -> dict:
+def vs_transformers(recs: list[dict]) -> dict:
     """transformers' `generate()` on the same prompts: its TTFT and decode tok/s, ours over it."""
     if not recs:
         return {}
@@ -277,6 +282,8 @@ def run(cfg: DictConfig, out: Path) -> dict:
     if cfg.warmup:
         warm = reqs[0].encode(lm.tokenizer if reqs[0].ids is None else None)[:16]
         generate(lm.model, make_cache(lm.model, 1, 16 + 4 + decoder.lookahead, factory), decoder, [warm], 4)
+        if hf is not None:
+            hf_generate(hf, warm, 4, (), [])
     recs = []
     for group in _progress(batches(reqs, cfg.batch_size), cfg.progress):
         recs += measure_batch(lm, factory, decoder, group, cfg, hf)

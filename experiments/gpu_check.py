@@ -45,13 +45,13 @@ class Report:
 
     def __init__(self, out: Path, budget_s: float, conditions: dict, cfg):
         self.path, self.budget_s, self.t0 = out / harness.RESULTS, budget_s, time.perf_counter()
-        self.conditions, self.cfg, self.records = conditions, cfg, []
+        self.conditions, self.cfg, self.records, self.id = conditions, cfg, [], harness.run_id("gpu_check")
 
     def left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.t0)
 
     def add(self, section: str, entry: dict) -> None:
-        run = f"{section}-{len(self.records)}"
+        run = f"{self.id}-{section}-{len(self.records)}"
         self.records.append(harness.summary("gpu_check", run, {"name": section}, entry, self.conditions, self.cfg))
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {section}: {json.dumps(entry, default=str)[:240]}", flush=True)
 

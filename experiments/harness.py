@@ -126,7 +126,11 @@ def declared(spec, trait: str, default=False):
     from hydra.utils import get_object
 
     target = spec.get("_target_") if spec is not None else None
-    return getattr(get_object(target), trait, default) if target else default
+    try:
+        return getattr(get_object(target), trait, default) if target else default
+    except Exception as e:  # an import path that does not resolve
+        raise SetupError(f"_target_ {target!r} does not resolve ({type(e).__name__}: {e}); give an import path "
+                         "of a class or function, as in the yaml files of conf/") from None
 
 
 def int_problems(cfg, minimums: dict[str, int], nullable: tuple[str, ...] = ("threads",)) -> list[str]:
@@ -211,6 +215,11 @@ def summary(entry: str, run: str, setup: dict, metrics: dict, conditions: dict, 
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     return {"kind": "summary", "entry": entry, "run": run, "finished": datetime.now(timezone.utc).isoformat(),
             "setup": setup, "metrics": metrics, "conditions": conditions, "config": config}
+
+
+def run_id(prefix: str) -> str:
+    """An ID no other run repeats (report dedupes by ID): prefix, start time and process."""
+    return f"{prefix}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}-{os.getpid()}"
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

@@ -4,6 +4,7 @@
     decodelab-micro part=kv_speed     # decode step per backend and transformers' QuantizedCache, 1k and 4k
     decodelab-micro part=kv_quality   # int4 KV (ours, transformers') vs dense, teacher-forced ShareGPT replies
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
+    decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
+from decodelab.experiments.cli import precheck
 from decodelab.experiments.workloads import sharegpt, synthetic_prompt
 from decodelab.models.reference import hf_model_for
 from decodelab.models.errors import SetupError, raise_if
@@ -148,7 +150,31 @@ def verify_cost(cfg, lm, hf) -> list[dict]:
     return rows
 
 
-PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost}
+def kv_memory(cfg, lm, hf) -> list[dict]:
+    """Bytes each backend (conf/cache yaml) really holds after `context` random positions
+    (`fill_random`), next to the formula's fp32 and bf16 bytes; and a batch of 16 rows of
+    100-2000 tokens: the share of slots paged (blocks of 16) and dense (preallocated to
+    the longest row) leave unused."""
+    import random
+
+    from decodelab.cache.base import CacheLayout
+    from decodelab.cache.paged import waste_report
+
+    lay, rows = CacheLayout.of(lm.model), []
+    bf16 = 2 * lay.n_layers * lay.n_kv_heads * lay.head_dim * 2  # bytes per token at bf16
+    for ctx in cfg.contexts:
+        for name in cfg.backends:
+            c = harness.cache_factory(name)(lay, 1, ctx)
+            c.fill_random(ctx)
+            rows.append({"context": ctx, "system": name, "kv_bytes": c.nbytes(), "formula_bytes": c.theoretical_bytes(),
+                         "vs_formula": c.nbytes() / c.theoretical_bytes(), "vs_bf16_formula": c.nbytes() / (ctx * bf16)})
+    w = waste_report([random.Random(s).randint(100, 2000) for s in range(16)], 16, lay.bytes_per_token())
+    return rows + [{"context": "16 rows of 100-2000", "system": f"{name} (unused share of its slots)",
+                    "kv_bytes": w[f"{name}_bytes"], "unused_fraction": w[f"{name}_waste_fraction"]}
+                   for name in ("paged", "dense")]
+
+
+PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory}
 
 
 def check(cfg: DictConfig) -> None:
@@ -156,10 +182,15 @@ def check(cfg: DictConfig) -> None:
     p = [] if cfg.part in PARTS else [f"part must be one of {list(PARTS)}, got {cfg.part!r}"]
     if cfg.part == "verify_cost":
         p += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
-    if cfg.part == "kv_speed":
+    if cfg.part in ("kv_speed", "kv_memory"):
         known = sorted(f.stem for f in (CONF_DIR / "cache").glob("*.yaml"))
         p += [f"backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.backends if b not in known]
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads"), 1))
+    lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"), "verify_cost": ("tokens", "impls")}
+    for key in lists.get(cfg.part, ()):
+        items, ints = list(cfg[key]), key in ("contexts", "tokens")
+        if not items or (ints and not all(isinstance(x, int) and x >= 1 for x in items)):
+            p.append(f"{key} must be a non-empty list{' of integers >= 1' if ints else ''}, got {items}")
     p += harness.model_problems(cfg.model)
     raise_if(p)
 
@@ -167,14 +198,15 @@ def check(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, out) -> list[dict]:
     check(cfg)
     lm = harness.load_model(cfg)
-    hf = hf_model_for(lm) if cfg.part != "verify_cost" else None
+    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") else None
     rows = PARTS[cfg.part](cfg, lm, hf)
     cond = harness.run_conditions(lm.model)
-    recs = [harness.summary("micro", f"{cfg.part}-{out.name}-{i}", {"name": cfg.part, "model": lm.name}, row, cond, cfg)
+    rid = harness.run_id(cfg.part)
+    recs = [harness.summary("micro", f"{rid}-{i}", {"name": cfg.part, "model": lm.name}, row, cond, cfg)
             for i, row in enumerate(rows)]
     from decodelab.experiments.report import markdown_table
 
-    print(markdown_table(rows, list(rows[0])))
+    print(markdown_table(rows, list(dict.fromkeys(k for r in rows for k in r))))
     print(f"model={lm.name} conditions: {cond}")
     print(f"wrote {harness.write_jsonl(out / harness.RESULTS, recs)}")
     return rows
@@ -183,5 +215,11 @@ def run(cfg: DictConfig, out) -> list[dict]:
 main = harness.hydra_app("micro", run)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry: an unknown option or key is reported with every other problem (exit 2)."""
+    precheck(sys.argv[1:], "micro", check)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -123,8 +123,9 @@ def flat_row(run: dict, root: Path | None = None) -> dict:
     path = Path(run["path"]).parent
     if root is not None and path.is_relative_to(root):
         path = path.relative_to(root)
-    row = {"entry": run.get("entry", "bench"), "run": run.get("run"), **{k: setup.get(k) for k in SETUP_FIELDS}}
-    row.update({k: v for k, v in metrics.items() if k not in row})
+    row = {"entry": run.get("entry", "bench"), "run": run.get("run"), **{k: setup.get(k) for k in SETUP_FIELDS},
+           **{k: v for k, v in setup.items() if k not in SETUP_FIELDS}}
+    row.update({k: v for k, v in metrics.items() if row.get(k) is None})
     row.update(speedup_vs_greedy=metrics.get("speedup_vs_greedy"), n_prompts=len(run.get("prompts", [])),
                finished=run.get("finished"), dir=str(path))
     return row
@@ -337,7 +338,8 @@ def main(cfg) -> None:
 
 def cli() -> None:
     """Console entry: `decodelab-report DIR` is `decodelab-report dir=DIR`."""
-    sys.argv[1:] = [a if "=" in a or a.startswith("-") else f"dir={a}" for a in sys.argv[1:]]
+    plain = lambda a: a.startswith("-") or ("=" in a and not Path(a).exists())  # noqa: E731  (sweep dirs hold = and ,)
+    sys.argv[1:] = [a if plain(a) else f"dir='{a}'" for a in sys.argv[1:]]
     main()
 
 

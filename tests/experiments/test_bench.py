@@ -167,7 +167,7 @@ def test_side_by_side_figures_by_hand():
     assert m["predicted_this_hw"] == pytest.approx(0.807292, rel=1e-6)
     assert m["efficiency"] == pytest.approx(2.477419, rel=1e-6)
     hf = vs_transformers([{"decode_s": 0.4, "new_tokens": 5, "ttft_ms": 10.0, "transformers": {
-        "decode_s": 0.8, "new_tokens": 5, "ttft_ms": 20.0, "identical": True}}], 0.4)
+        "decode_s": 0.8, "new_tokens": 5, "ttft_ms": 20.0, "identical": True}}])
     assert hf == {"hf_ttft_ms": 20.0, "hf_decode_tok_s": 5.0, "same_tokens_as_hf": 1.0, "decode_speedup_vs_hf": 2.0,
                   "ttft_ours_over_hf": 0.5}
 

@@ -83,3 +83,13 @@ def test_bad_options_are_refused_before_the_model_loads(tmp_path, monkeypatch):
     p = subprocess.run([str(Path(sys.executable).parent / "decodelab-micro"), *TINY, "part=verify_cost",
                         "impls=[fast]", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "impls[]" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_kv_memory_bytes_against_the_formula(tmp_path):
+    rows = micro(tmp_path, "part=kv_memory", "contexts=[40]", "backends=[dense,int4]")
+    dense, int4, paged_waste, dense_waste = rows
+    # tiny-llama: 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 4 bytes = 512 bytes a token
+    assert dense["kv_bytes"] == dense["formula_bytes"] == 40 * 512 and dense["vs_bf16_formula"] == 2.0
+    assert int4["formula_bytes"] == 40 * 512 and int4["kv_bytes"] > 0
+    assert paged_waste["system"].startswith("paged") and dense_waste["system"].startswith("dense")
+    assert 0 < paged_waste["unused_fraction"] < dense_waste["unused_fraction"] < 1  # blocks of 16 vs the longest row
