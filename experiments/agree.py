@@ -20,7 +20,6 @@ from functools import partial
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.dense import DenseCache

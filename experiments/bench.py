@@ -34,7 +34,6 @@ from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.speculative import predicted_speedups
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
-from decodelab.experiments.cli import precheck
 from decodelab.experiments.report import read_results
 from decodelab.models.reference import hf_model_for
 from decodelab.models.errors import SetupError, raise_if
@@ -319,13 +318,7 @@ class ReportCallback(Callback):
         print(f"results: {root}/**/{RESULTS}\nreport: " + ", ".join(str(p) for p in paths.values()))
 
 
-main = harness.hydra_app("config", run)
-
-
-def cli() -> None:
-    """Console entry: every bad config-group option reported with the other problems."""
-    precheck(sys.argv[1:], "config", check)
-    main()
+main, cli = harness.entry_points("config", run, check)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from omegaconf import DictConfig
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
-from decodelab.experiments.cli import precheck
 from decodelab.models.errors import SetupError, raise_if
 
 log = logging.getLogger("decodelab.generate")
@@ -125,14 +124,8 @@ def emit(cfg: DictConfig, result, conditions: dict, streamed: bool) -> None:
     log.info("conditions: %s", conditions)
 
 
-main = harness.hydra_app("generate", lambda cfg, out: run(cfg))
-
-
-def cli() -> None:
-    """Console entry (`decodelab-generate`, `python -m`): every bad config-group option
-    reported with the other problems, then Hydra (conf/generate.yaml: its logs on stderr)."""
-    precheck(sys.argv[1:], "generate", harness.check)
-    main()
+# conf/generate.yaml: config.yaml with Hydra's logs on stderr and no run directory
+main, cli = harness.entry_points("generate", lambda cfg, out: run(cfg), harness.check)
 
 
 if __name__ == "__main__":

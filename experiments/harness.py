@@ -250,6 +250,20 @@ def hydra_app(config_name: str, run):
     return main
 
 
+def entry_points(config_name: str, run, check):
+    """(main, cli) of an entry point: `main` is `hydra_app(config_name, run)`; `cli`, its
+    console script, first reports every unknown option or key with the problems `check(cfg)`
+    finds (exit 2, before any weights load), then runs `main`."""
+    main = hydra_app(config_name, run)
+
+    def cli() -> None:
+        from decodelab.experiments.cli import precheck
+
+        precheck(sys.argv[1:], config_name, check)
+        main()
+    return main, cli
+
+
 def output_dir() -> Path:
     """This Hydra job's output directory (outputs/<entry>/...)."""
     from hydra.core.hydra_config import HydraConfig

@@ -21,10 +21,9 @@ from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
-from decodelab.experiments.cli import precheck
 from decodelab.experiments.workloads import sharegpt, synthetic_prompt
 from decodelab.models.reference import hf_model_for
-from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.errors import raise_if
 from decodelab.models.loading import CONF_DIR
 from decodelab.models.matmul import impl_problems
 
@@ -212,13 +211,7 @@ def run(cfg: DictConfig, out) -> list[dict]:
     return rows
 
 
-main = harness.hydra_app("micro", run)
-
-
-def cli() -> None:
-    """Console entry: an unknown option or key is reported with every other problem (exit 2)."""
-    precheck(sys.argv[1:], "micro", check)
-    main()
+main, cli = harness.entry_points("micro", run, check)
 
 
 if __name__ == "__main__":
