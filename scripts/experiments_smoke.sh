@@ -27,11 +27,14 @@ run agree $B/decodelab-agree reference=transformers workload=jsonl \
 run lossless $B/decodelab-bench -m name=lossless cache=dense,paged,int4,sliding decoder=speculative \
     draft=prompt-lookup compare_greedy=true agree_with_dense=false workload=synthetic 'workload.lengths=[200]' \
     max_new_tokens=8 "${TINY[@]}" "hydra.sweep.dir=$OUT/lossless"
-run gamma $B/decodelab-bench -m experiment=gamma workload=synthetic 'workload.lengths=[40]' max_new_tokens=8 \
+run gamma $B/decodelab-bench -m experiment=gamma workload.n=1 workload.max_prompt_tokens=64 max_new_tokens=8 \
     draft=prompt-lookup decoder.gamma=2,4 "${TINY[@]}" "hydra.sweep.dir=$OUT/gamma"
 run verify_cost $B/decodelab-micro part=verify_cost 'tokens=[1,3]' repeats=2 "${TINY[@]}" "hydra.run.dir=$OUT/verify_cost"
 run kv_speed $B/decodelab-micro part=kv_speed 'contexts=[64]' steps=2 repeats=1 "${TINY[@]}" "hydra.run.dir=$OUT/kv_speed"
-run kv_quality $B/decodelab-micro part=kv_quality prompts=1 forced_tokens=8 "${TINY[@]}" "hydra.run.dir=$OUT/kv_quality"
+# group 32: transformers' quanto groups must divide tokens x head_dim (16 on the tiny model)
+run kv_quality $B/decodelab-micro part=kv_quality prompts=1 forced_tokens=8 group_size=32 "${TINY[@]}" \
+    "hydra.run.dir=$OUT/kv_quality"
+run kv_memory $B/decodelab-micro part=kv_memory 'contexts=[64]' "${TINY[@]}" "hydra.run.dir=$OUT/kv_memory"
 run context $B/decodelab-bench -m experiment=context 'workload.lengths=[64,128]' max_new_tokens=4 "${TINY[@]}" \
     "hydra.sweep.dir=$OUT/context"
 run generate $B/decodelab-generate prompt="Hello" max_new_tokens=4 "${TINY[@]}" json=true
