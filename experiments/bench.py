@@ -217,8 +217,8 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
         "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         **{k: mean([s[k] for s in spec]) for k in ("acceptance_rate", "mean_accepted", "alpha")},
         "predicted_speedup": mean([s["predicted_speedup"] for s in spec if s["predicted_speedup"]]),
-        **({f"agree_{k}": pool(agree)[v] for k, v in (("top1", "top1"), ("kl", "mean_kl"),
-                                                         ("max_abs_dlogit", "max_abs_dlogit"))} if agree else {}),
+        **({f"agree_{k}": pooled[v] for pooled in [pool(agree)] for k, v in (
+            ("top1", "top1"), ("kl", "mean_kl"), ("max_abs_dlogit", "max_abs_dlogit"))} if agree else {}),
         "prompts": len(recs), "new_tokens": sum(r["new_tokens"] for r in recs),
         **vs_greedy([r for r in recs if r.get("greedy")]),
         **vs_transformers([r for r in recs if r.get("transformers")]),
