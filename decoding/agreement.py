@@ -87,25 +87,11 @@ def hf_logits(hf, prompt: list[int], ref: list[int]) -> torch.Tensor:
     return hf(ids).logits[0, len(prompt) - 1:].float()
 
 
-@torch.no_grad()
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """transformers' own greedy continuation through its own cache: n ids (EOS ignored)."""
-    kw = hf_cache_kwarg(hf)
-    out = hf(torch.tensor([prompt], device=hf.device), use_cache=True, logits_to_keep=1)
-    tokens = [int(out.logits[0, -1].argmax())]
-    while len(tokens) < n:
-        ids = torch.tensor([[tokens[-1]]], device=hf.device)  # [1, 1]
-        out = hf(ids, use_cache=True, **{kw: getattr(out, kw)})
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+    from decodelab.models.reference import hf_steps
 
-
-def hf_cache_kwarg(hf) -> str:
-    """The name transformers gives the cache argument and output (`cache` since it
-    renamed `past_key_values` in 5.x)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return hf_steps(hf, prompt, n - 1)[0].argmax(-1).tolist()
 
 
 def compare(ref_logits: torch.Tensor, logits: torch.Tensor, tokens: list[int] | None = None) -> dict:

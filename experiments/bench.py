@@ -35,7 +35,7 @@ from decodelab.decoding.speculative import predicted_speedups
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.report import read_results
-from decodelab.models.reference import hf_model_for
+from decodelab.models.reference import hf_generate_timed, hf_model_for
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import instantiate_unwrapped
 
@@ -56,14 +56,8 @@ def check(cfg: DictConfig):
             (lossless, "compares against transformers' greedy output: use a decoder at temperature 0"),
             (cfg.model.get("weights", "none") == "none", "runs transformers at full precision: use "
                                                              "model.weights=none")) if not ok]
-    workload = None
-    for fn in (lambda: harness.check(cfg), lambda: instantiate_unwrapped(cfg.workload)):
-        try:
-            workload = fn() or workload
-        except SetupError as e:
-            reasons += e.reasons
-    raise_if(reasons)
-    return workload
+    return harness.gather(lambda: raise_if(reasons), lambda: harness.check(cfg),
+                          lambda: instantiate_unwrapped(cfg.workload))[-1]
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -165,33 +159,11 @@ def _spec(stats: dict) -> dict | None:
 
 
 # -- transformers' generate(), side by side ---------------------------------------------------
-class _TimingStreamer:
-    """transformers streamer that stamps each generated token (put() first gets the prompt)."""
-
-    def __init__(self, t0: float):
-        self.t0, self.times, self.calls = t0, [], 0
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls > 1:
-            self.times.append(time.perf_counter() - self.t0)
-
-    def end(self) -> None:
-        pass
-
-
 def hf_generate(hf, ids: list[int], new_tokens: int, eos: tuple, ours: list[int]) -> dict:
     """transformers' greedy `generate()` on the same ids (EOS ignored when ours ignores
     it): TTFT, decode time and tokens, and whether its tokens equal ours."""
-    x = torch.tensor([ids], device=hf.device)
-    stream = _TimingStreamer(time.perf_counter())
-    with torch.no_grad():
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                          min_new_tokens=None if eos else new_tokens, streamer=stream, pad_token_id=0,
-                          eos_token_id=list(eos) or None)
-    harness.sync(hf.device)
-    tokens = out[0, len(ids):].tolist()
-    return {"ttft_ms": 1e3 * stream.times[0], "decode_s": _decode_s(stream.times), "new_tokens": len(tokens),
+    tokens, times = hf_generate_timed(hf, ids, new_tokens, eos)
+    return {"ttft_ms": 1e3 * times[0], "decode_s": _decode_s(times), "new_tokens": len(tokens),
             "identical": first_diff(tokens, ours) is None}
 
 

@@ -12,13 +12,9 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from decodelab.experiments.harness import group_options
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group: the yaml files in conf/<group>/."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:

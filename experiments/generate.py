@@ -79,21 +79,9 @@ def record(result, conditions: dict) -> dict:
     }
 
 
-def check_all(cfg: DictConfig, text: str) -> None:
-    """The request and the setup, every problem raised together, before weights load."""
-    reasons = []
-    for check in (lambda: check_request(cfg, text), lambda: harness.check(cfg)):
-        try:
-            check()
-        except SetupError as e:
-            reasons += e.reasons
-    if reasons:
-        raise SetupError(reasons)
-
-
 def run(cfg: DictConfig):
     text = read_prompt(cfg)
-    check_all(cfg, text)  # before any weights load
+    harness.gather(lambda: check_request(cfg, text), lambda: harness.check(cfg))  # before any weights load
     lm = harness.load_model(cfg)
     log.info("model: %s (%s, %s)", lm.name, lm.model.dtype, lm.model.device)
     factory, decoder = harness.build(cfg, lm)

@@ -67,6 +67,10 @@ def run_conditions(model=None) -> dict:
     cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             **versions}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        cond |= {"sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1),
+                 "cuda_runtime": torch.version.cuda}
     if model is not None:
         cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
                     matmul=getattr(model, "matmul", None))
@@ -112,6 +116,20 @@ def _collect(reasons: list[str], fn):
     except SetupError as e:
         reasons += e.reasons
         return None
+
+
+def gather(*checks) -> list:
+    """Every check's result (None where it failed); one SetupError with the reasons of
+    every check that failed."""
+    reasons = []
+    results = [_collect(reasons, fn) for fn in checks]
+    raise_if(reasons)
+    return results
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: the yaml files in conf/<group>/."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def _probe_layout() -> CacheLayout:
@@ -202,11 +220,9 @@ def build(cfg: DictConfig, lm):
 
 def cache_factory(name: str, **options):
     """The cache factory of conf/cache/<name>.yaml, with option overrides."""
-    path = CONF_DIR / "cache" / f"{name}.yaml"
-    if not path.is_file():
-        options_ = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise SetupError(f"no cache backend {name!r}; the options are {', '.join(options_)}")
-    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(path), options))
+    raise_if([] if name in group_options("cache") else
+             [f"no cache backend {name!r}; the options are {', '.join(group_options('cache'))}"])
+    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(CONF_DIR / "cache" / f"{name}.yaml"), options))
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -237,16 +253,19 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def hydra_app(config_name: str, run):
     """The Hydra app of an entry point: `run(cfg, output directory)`; a SetupError (a bad
-    option or input) prints every reason and exits 2, with no traceback."""
+    option or input) prints every reason and exits 2, with no traceback; a run that
+    returns a non-zero int exits with it."""
     import hydra
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)
     def main(cfg: DictConfig) -> None:
         try:
-            run(cfg, output_dir())
+            code = run(cfg, output_dir())
         except SetupError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        if type(code) is int and code:
+            sys.exit(code)
     return main
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -21,52 +20,15 @@ from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
-from decodelab.experiments.workloads import sharegpt, synthetic_prompt
-from decodelab.models.reference import hf_model_for
+from decodelab.experiments.workloads import ShareGPT, synthetic_prompt
+from decodelab.models.reference import hf_cache_bytes, hf_model_for, hf_quantized_cache, hf_steps
 from decodelab.models.errors import raise_if
-from decodelab.models.loading import CONF_DIR
 from decodelab.models.matmul import impl_problems
 
 
-# -- transformers' QuantizedCache ---------------------------------------------------------------
-def hf_quantized(hf, cfg):
-    from transformers import QuantizedCache
-
-    return QuantizedCache(backend="quanto", config=hf.config, nbits=cfg.nbits, q_group_size=cfg.group_size,
-                          residual_length=cfg.residual)
-
-
-@torch.no_grad()
-def hf_steps(hf, cfg, prompt: list[int], feed: list[int] | None, steps: int, timer=None):
-    """Prefill through a fresh QuantizedCache, then `steps` one-token forwards feeding
-    `feed` (teacher forcing) or the argmax; (logits [steps + 1, V], cache)."""
-    o = hf(torch.tensor([prompt], device=hf.device), past_key_values=hf_quantized(hf, cfg), use_cache=True,
-           logits_to_keep=1)
-    out = [o.logits[0, -1]]
-    for i in range(steps):
-        tok = feed[i] if feed is not None else int(out[-1].argmax())
-        with timer or nullcontext():
-            o = hf(torch.tensor([[tok]], device=hf.device), past_key_values=o.past_key_values, use_cache=True)
-        out.append(o.logits[0, -1])
-    return torch.stack(out).double(), o.past_key_values
-
-
-def hf_quantized_bytes(cache) -> int:
-    """Bytes transformers' QuantizedCache holds: packed data, scales, shifts, residual."""
-    total = 0
-    for layer in cache.layers:
-        for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
-            total += sum(t.numel() * t.element_size() for t in _tensors(getattr(layer, name, None)))
-    return total
-
-
-def _tensors(qt) -> list[torch.Tensor]:
-    if qt is None:
-        return []
-    if type(qt) is torch.Tensor:
-        return [qt]
-    names, _ = qt.__tensor_flatten__()
-    return [t for n in names for t in _tensors(getattr(qt, n))]
+def hf_int4(hf, cfg):
+    """transformers' QuantizedCache at the part's nbits, group size and residual."""
+    return hf_quantized_cache(hf, cfg.nbits, cfg.group_size, cfg.residual)
 
 
 # -- ours -----------------------------------------------------------------------------------------
@@ -83,7 +45,8 @@ def our_steps(model, factory, prompt: list[int], steps: int, timer) -> int:
 
 def kv_speed(cfg, lm, hf) -> list[dict]:
     systems = {name: partial(our_steps, lm.model, harness.cache_factory(name)) for name in cfg.backends}
-    systems["hf-QuantizedCache"] = lambda p, s, timer: hf_quantized_bytes(hf_steps(hf, cfg, p, None, s, timer)[1])
+    systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(hf, p, s, cache=hf_int4(hf, cfg),
+                                                                               timer=timer)[1])
     rows = []
     for ctx in cfg.contexts:
         prompt = synthetic_prompt(lm, ctx)
@@ -100,11 +63,11 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
 
 def kv_quality(cfg, lm, hf) -> list[dict]:
     tok = lm.tokenizer
-    reqs = sharegpt(cfg.prompts, seed=cfg.seed, tokenizer=tok, max_prompt_tokens=cfg.max_prompt_tokens,
-                    min_reference_tokens=cfg.forced_tokens)
+    reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
+                    min_reference_tokens=cfg.forced_tokens)(lm)
     ours = harness.cache_factory("int4", nbits=cfg.nbits, group_size=cfg.group_size, residual=cfg.residual)
     systems = {"ours-int4": lambda p, r: forced_logits(lm.model, ours, p, r).double(),
-               "hf-QuantizedCache": lambda p, r: hf_steps(hf, cfg, p, r, len(r) - 1)[0]}
+               "hf-QuantizedCache": lambda p, r: hf_steps(hf, p, len(r) - 1, r, hf_int4(hf, cfg))[0].double()}
     per = {name: [] for name in systems}
     for i, req in enumerate(reqs):
         prompt, ref = tok.encode(req.prompt, chat=True), tok.encode(req.reference)[: cfg.forced_tokens]
@@ -135,7 +98,7 @@ def forward_ms(model, cache, T: int, repeats: int) -> float:
 def verify_cost(cfg, lm, hf) -> list[dict]:
     """Forward of T tokens vs one token, per matmul impl, at the first ShareGPT prompt's context."""
     model, rows, one = lm.model, [], {}
-    req = sharegpt(1, seed=cfg.seed, tokenizer=lm.tokenizer, max_prompt_tokens=cfg.max_prompt_tokens)[0]
+    req = ShareGPT(1, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)(lm)[0]
     prompt = lm.tokenizer.encode(req.prompt, chat=True)
     cache = make_cache(model, 1, len(prompt) + max(cfg.tokens))
     prefill(model, cache, [prompt])
@@ -182,7 +145,7 @@ def check(cfg: DictConfig) -> None:
     if cfg.part == "verify_cost":
         p += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
     if cfg.part in ("kv_speed", "kv_memory"):
-        known = sorted(f.stem for f in (CONF_DIR / "cache").glob("*.yaml"))
+        known = harness.group_options("cache")
         p += [f"backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.backends if b not in known]
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads"), 1))
     lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"), "verify_cost": ("tokens", "impls")}

@@ -124,30 +124,6 @@ def load_jsonl(path: str | Path) -> list[Request]:
     return [Request(p, r) for p, r in zip(ds["prompt"], refs)]
 
 
-def sharegpt(n: int, seed: int = 0, tokenizer=None, min_prompt_tokens: int = 4, max_prompt_tokens: int = 1024,
-             min_reference_tokens: int = 0) -> list[Request]:
-    """`n` ShareGPT requests, sampled with `seed` among those whose prompt (and reply)
-    token counts fall in range (counted with `tokenizer` when given)."""
-    path, _ = sharegpt_jsonl()
-    pool = load_jsonl(path)
-    rng = random.Random(seed)
-    order = list(range(len(pool)))
-    rng.shuffle(order)
-    chosen = []
-    for i in order:
-        req = pool[i]
-        if tokenizer is not None:
-            n_prompt = len(tokenizer.encode(req.prompt))
-            if not min_prompt_tokens <= n_prompt <= max_prompt_tokens:
-                continue
-            if min_reference_tokens and len(tokenizer.encode(req.reference or "")) < min_reference_tokens:
-                continue
-        chosen.append(req)
-        if len(chosen) == n:
-            return chosen
-    raise SetupError(f"only {len(chosen)} ShareGPT requests fit the length filters; widen them or ask for fewer")
-
-
 # -- the `workload` config group: validated options (cheap), prompts on call ----------
 def _count_problems(n, seed) -> list[str]:
     p = [] if isinstance(n, int) and n >= 1 else [f"workload.n must be an int >= 1, got {n!r}"]
@@ -174,8 +150,17 @@ class ShareGPT:
                             min_reference_tokens=min_reference_tokens)
 
     def __call__(self, lm) -> list[Request]:
-        reqs = sharegpt(self.n, self.seed, lm.tokenizer, **self.lengths)
-        return [Request(r.prompt, r.reference, f"sharegpt-{self.seed}-{i}", chat=self.chat) for i, r in enumerate(reqs)]
+        """The sample: the records in the seed's order, kept while their token counts fit."""
+        lo, hi, min_ref = self.lengths.values()
+        pool = load_jsonl(sharegpt_jsonl()[0])
+        random.Random(self.seed).shuffle(pool)
+        enc = lambda text: len(lm.tokenizer.encode(text or ""))  # noqa: E731
+        fit = (r for r in pool if lo <= enc(r.prompt) <= hi and (not min_ref or enc(r.reference) >= min_ref))
+        reqs = [Request(r.prompt, r.reference, f"sharegpt-{self.seed}-{i}", chat=self.chat) for i, r in zip(
+            range(self.n), fit)]
+        raise_if([] if len(reqs) == self.n else [f"only {len(reqs)} ShareGPT requests fit the length filters; "
+                                                  "widen them or ask for fewer"])
+        return reqs
 
 
 class Synthetic:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from decodelab.models.config import to_hf_config
@@ -31,3 +34,77 @@ def hf_model_for(lm):
         return hf_reference(lm.model, attn_implementation="sdpa")
     hf = AutoModelForCausalLM.from_pretrained(lm.hf_dir, dtype=lm.model.dtype, attn_implementation="sdpa")
     return hf.to(lm.model.device).eval()
+
+
+def hf_cache_kwarg(hf) -> str:
+    """The name transformers gives the cache argument and output (`cache` since it
+    renamed `past_key_values` in 5.x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def hf_steps(hf, prompt: list[int], steps: int, feed: list[int] | None = None, cache=None, timer=None):
+    """transformers' model through its own cache (`cache`, else its default): a prefill,
+    then `steps` one-token forwards feeding `feed` (teacher forcing) or the argmax, each
+    inside `timer` when given; (logits [steps + 1, V] float32, the cache)."""
+    kw = hf_cache_kwarg(hf)
+    extra = {kw: cache} if cache is not None else {}
+    o = hf(torch.tensor([prompt], device=hf.device), use_cache=True, logits_to_keep=1, **extra)
+    out = [o.logits[0, -1]]
+    for i in range(steps):
+        tok = feed[i] if feed is not None else int(out[-1].argmax())
+        with timer or contextlib.nullcontext():
+            o = hf(torch.tensor([[tok]], device=hf.device), use_cache=True, **{kw: getattr(o, kw)})
+        out.append(o.logits[0, -1])
+    return torch.stack(out).float(), getattr(o, kw)
+
+
+def hf_quantized_cache(hf, nbits: int, group_size: int, residual: int):
+    """transformers' `QuantizedCache` (quanto backend) for `hf`."""
+    from transformers import QuantizedCache
+
+    return QuantizedCache(backend="quanto", config=hf.config, nbits=nbits, q_group_size=group_size,
+                          residual_length=residual)
+
+
+def hf_cache_bytes(cache) -> int:
+    """Bytes a transformers cache holds: every tensor of every layer (for a QuantizedCache
+    the packed data, scales, shifts and the residual)."""
+    def tensors(t) -> list[torch.Tensor]:
+        if t is None or type(t) is torch.Tensor:
+            return [] if t is None else [t]
+        return [x for n in t.__tensor_flatten__()[0] for x in tensors(getattr(t, n))]
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for name in ("_quantized_keys", "_quantized_values", "keys", "values")
+               for t in tensors(getattr(layer, name, None)))
+
+
+class _Stamps:
+    """A transformers streamer that stamps each generated token (`put` first gets the prompt)."""
+
+    def __init__(self):
+        self.t0, self.times, self.calls = time.perf_counter(), [], 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.times.append(time.perf_counter() - self.t0)
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate_timed(hf, ids: list[int], new_tokens: int, eos: tuple = ()) -> tuple[list[int], list[float]]:
+    """transformers' greedy `generate()` on `ids` (EOS ignored when `eos` is empty): the
+    new tokens and, per token, the seconds since the call (the device synchronized)."""
+    x = torch.tensor([ids], device=hf.device)
+    stamps = _Stamps()
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                          min_new_tokens=None if eos else new_tokens, streamer=stamps, pad_token_id=0,
+                          eos_token_id=list(eos) or None)
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize(hf.device)
+    return out[0, len(ids):].tolist(), stamps.times

@@ -48,11 +48,10 @@ def test_gemma3_exact_backends_past_the_window(gemma3_270m):
 
 def test_smollm2_int4_stays_close_to_dense(smollm2):
     from decodelab.decoding.agreement import compare, forced_logits
-    from decodelab.experiments.workloads import sharegpt
+    from decodelab.experiments.workloads import ShareGPT
 
     tok = smollm2.tokenizer
-    reqs = sharegpt(2, seed=1, tokenizer=tok, min_prompt_tokens=200, max_prompt_tokens=400,
-                    min_reference_tokens=256)
+    reqs = ShareGPT(2, seed=1, min_prompt_tokens=200, max_prompt_tokens=400, min_reference_tokens=256)(smollm2)
     q = partial(QuantizedCache, nbits=4, group_size=64, residual=128)
     for r in reqs:
         prompt, ref = tok.encode(r.prompt, chat=True), tok.encode(r.reference)[:256]
