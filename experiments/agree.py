@@ -19,7 +19,6 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.dense import DenseCache
@@ -41,20 +40,14 @@ FIXED_BY_SETUP = ("cache", "decoder", "setup", "experiment")  # groups a setup c
 
 
 # -- configs, all checked before weights load ---------------------------------------------
-def setup_names() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "setup").glob("*.yaml"))
-
-
 def option_problems(cfg: DictConfig) -> list[str]:
     """agree's own options: setups, reference, forced_tokens, free_tokens."""
-    p = []
-    names = cfg.setups
+    p, names, known = [], cfg.setups, harness.group_options("setup")
     if not OmegaConf.is_list(names) or not names or not all(isinstance(n, str) for n in names):
-        p.append(f"setups must be a non-empty list of setup names, got {names!r}; known: {setup_names()}")
+        p.append(f"setups must be a non-empty list of setup names, got {names!r}; known: {known}")
     else:
-        unknown = [n for n in names if n not in setup_names()]
-        if unknown:
-            p.append(f"unknown setup(s) {unknown}: each needs a conf/setup/<name>.yaml; known: {setup_names()}")
+        if unknown := [n for n in names if n not in known]:
+            p.append(f"unknown setup(s) {unknown}: each needs a conf/setup/<name>.yaml; known: {known}")
         if len(set(names)) != len(names):
             p.append(f"setups lists a name twice: {list(names)}")
     if cfg.reference not in REFERENCES:
@@ -129,10 +122,7 @@ def _setup_problems(name: str, groups: list[str], values: list) -> tuple[DictCon
     except Exception as e:  # Hydra's composition errors
         return None, [f"setup {name}: {type(e).__name__}: {e}".replace("\n", " ")]
     p = threshold_problems(scfg.get("agreement"))
-    try:
-        harness.check(scfg)
-    except SetupError as e:
-        p += e.reasons
+    harness.collect(p, lambda: harness.check(scfg))
     return scfg, [f"setup {name}: {r}" for r in p]
 
 
@@ -140,13 +130,10 @@ def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
     """Every setup's config, composed and validated, with agree's options and the
     workload; one SetupError with every reason of every setup (no weights load)."""
     reasons = option_problems(cfg)
-    try:
-        instantiate_unwrapped(cfg.workload)
-    except SetupError as e:
-        reasons += e.reasons
+    harness.collect(reasons, lambda: instantiate_unwrapped(cfg.workload))
     groups, values, p = split_overrides(overrides)
     reasons += p
-    known = [n for n in (cfg.setups if OmegaConf.is_list(cfg.setups) else []) if n in setup_names()]
+    known = [n for n in (cfg.setups if OmegaConf.is_list(cfg.setups) else []) if n in harness.group_options("setup")]
     composed = {}
     for name in dict.fromkeys(known):
         composed[name], p = _setup_problems(name, groups, values)
@@ -319,25 +306,22 @@ def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None
     return 0 if all(r["passed"] for r in rows) else 1
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="agree")
-def main(cfg: DictConfig) -> None:
+def _cli_overrides() -> list[str]:
+    """The setups' overrides of the command line as the console script checks them (unknown
+    group options left out: experiments.cli reports them)."""
+    from decodelab.experiments.cli import split_choices
+
+    return [a for a in split_choices(sys.argv[1:])[1] if not a.startswith(("-", "hydra"))]
+
+
+def _hydra_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
-    hc = HydraConfig.get()
-    code = run(cfg, list(hc.overrides.task), hc.runtime.output_dir)
-    if code:
-        sys.exit(code)
+    return list(HydraConfig.get().overrides.task)
 
 
-def cli() -> None:
-    """Console entry: unknown group options and keys are reported with every other
-    problem of every setup (exit 2, no traceback) before Hydra runs `main`."""
-    from decodelab.experiments.cli import precheck, split_choices
-
-    argv = sys.argv[1:]
-    overrides = [a for a in split_choices(argv)[1] if not a.startswith(("-", "hydra"))]
-    precheck(argv, "agree", lambda cfg: check_all(cfg, overrides))
-    main()
+main, cli = harness.entry_points("agree", lambda cfg, out: run(cfg, _hydra_overrides(), out),
+                                 lambda cfg: check_all(cfg, _cli_overrides()))
 
 
 if __name__ == "__main__":

@@ -23,23 +23,20 @@ def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     reasons, kept = [], []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        group = key.lstrip("+~").split("@")[0]
-        if arg.startswith("-") or not eq or not _is_group(group):
-            kept.append(arg)
-            continue
-        names = group_options(group)
-        bad = [v for v in value.split(",") if v and v != "null" and v not in names]
-        if bad:
-            reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
-        else:
-            kept.append(f"{key}={value.split(',')[0]}")
+        group = _group(key) if eq and not arg.startswith("-") else None
+        names = group_options(group) if group else []
+        bad = [v for v in value.split(",") if group and v and v != "null" and v not in names]
+        reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
+        if not bad:
+            kept.append(f"{key}={value.split(',')[0]}" if group else arg)
     return reasons, kept
 
 
-def _is_group(key: str) -> bool:
-    """`cache`, `+cache`, `model@draft.model` (a group placed at another package)."""
+def _group(key: str) -> str | None:
+    """The config group an override key selects (`cache`, `+cache`, `model@draft.model`:
+    a group placed at another package), or None."""
     group = key.lstrip("+~").split("@")[0]
-    return "." not in group and (CONF_DIR / group).is_dir()
+    return group if "." not in group and (CONF_DIR / group).is_dir() else None
 
 
 def _first_value(arg: str) -> str:
@@ -59,7 +56,7 @@ def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
     reasons, kept = [], []
     for arg in argv:
         key = arg.partition("=")[0]
-        if (arg.startswith(("-", "+", "~", "hydra")) or "=" not in arg or _is_group(key)
+        if (arg.startswith(("-", "+", "~", "hydra")) or "=" not in arg or _group(key)
                 or OmegaConf.select(cfg, key, default=_NO) is not _NO):
             kept.append(arg)
             continue
@@ -83,7 +80,7 @@ def precheck(argv: list[str], config_name: str, check: Callable) -> None:
 
     reasons, kept = split_choices(argv)
     overrides = [_first_value(a) for a in kept if not a.startswith("-") and not a.startswith("hydra")]
-    groups = [a for a in overrides if _is_group(a.partition("=")[0])]
+    groups = [a for a in overrides if _group(a.partition("=")[0])]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             more, overrides = unknown_keys(compose(config_name=config_name, overrides=groups), overrides)

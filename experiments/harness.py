@@ -110,7 +110,8 @@ class Timer:
 
 
 # -- a setup from configs ---------------------------------------------------------------------
-def _collect(reasons: list[str], fn):
+def collect(reasons: list[str], fn):
+    """fn(), or None with its SetupError's reasons added to `reasons`."""
     try:
         return fn()
     except SetupError as e:
@@ -122,7 +123,7 @@ def gather(*checks) -> list:
     """Every check's result (None where it failed); one SetupError with the reasons of
     every check that failed."""
     reasons = []
-    results = [_collect(reasons, fn) for fn in checks]
+    results = [collect(reasons, fn) for fn in checks]
     raise_if(reasons)
     return results
 
@@ -185,11 +186,11 @@ def check(cfg: DictConfig) -> None:
     reasons = model_problems(cfg.model)
     needs_drafter = declared(cfg.decoder, "needs_drafter")
     kw = {"drafter": None} if needs_drafter else {}
-    decoder = _collect(reasons, lambda: instantiate_unwrapped(cfg.decoder, **kw))
+    decoder = collect(reasons, lambda: instantiate_unwrapped(cfg.decoder, **kw))
     if needs_drafter:
         reasons += draft_problems(cfg)
-    factory = _collect(reasons, lambda: instantiate_unwrapped(cfg.cache))
-    probe = _collect(reasons, lambda: factory(_probe_layout(), 1, 128)) if factory else None
+    factory = collect(reasons, lambda: instantiate_unwrapped(cfg.cache))
+    probe = collect(reasons, lambda: factory(_probe_layout(), 1, 128)) if factory else None
     lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0
     if probe is not None and lookahead and probe.rollback_limit < lookahead:
         reasons.append(f"cache {cfg.cache._target_} can roll back {probe.rollback_limit} tokens but the decoder's "
