@@ -1,16 +1,14 @@
-"""Report: turn a directory of `results.jsonl` files, from any entry point, into a CSV,
-Markdown tables and PNG plots.
+"""Report: every `results.jsonl` under a directory (any depth, from any entry point) as a
+CSV, Markdown tables and PNG plots.
 
     decodelab-report DIR [out=OUTDIR]      # or dir=DIR
 
-Every `results.jsonl` under DIR (any depth) is in the harness's one schema
-(experiments/harness.py): `{"kind": "prompt", "run": ID, ...}` lines and one
-`{"kind": "summary", "entry": ..., "run": ID, ...}` line per table row. A file without a
-summary is an unfinished run and a line that is not a JSON object is skipped, each with
-a warning. A run ID seen more than once (a sweep rerun with redo) keeps its newest
-`finished` record, so the report holds every run exactly once. Each entry point gets its
-table (bench: the comparison columns; agree, micro, gpu_check: their metrics); the
-plots are of bench's generations.
+The files are in the harness's one schema (experiments/harness.py): prompt lines and one
+`{"kind": "summary", "entry": ..., "run": ID, ...}` line per table row. An unfinished run
+(no summary) and a line that is not a JSON object are skipped with a warning; a run ID seen
+more than once (a sweep rerun with redo) keeps its newest `finished` record. Each entry
+point gets its table (bench: the comparison columns; agree, micro, gpu_check: their
+metrics); the plots are of bench's generations.
 """
 
 from __future__ import annotations
@@ -22,14 +20,14 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import hydra
-
-from decodelab.models.loading import CONF_DIR
+from decodelab.experiments import harness
+from decodelab.models.errors import SetupError
 
 log = logging.getLogger("decodelab.report")
 
-RESULTS = "results.jsonl"  # experiments.harness.RESULTS
+RESULTS = harness.RESULTS
 SETUP_FIELDS = ("name", "model", "cache", "decoder", "needs_drafter", "draft", "gamma", "workload", "experiment")
+SORT_FIELDS = ("model", "cache", "decoder", "draft", "gamma")
 # the comparison the main job prints; `model`/`workload` are prepended when they vary
 MAIN_COLUMNS = ("name", "cache", "decoder", "draft", "gamma", "prompt_tokens", "ttft_ms", "itl_p50_ms", "decode_tok_s",
                 "kv_mib", "agree_top1", "agree_kl", "acceptance_rate", "speedup_vs_greedy")
@@ -43,16 +41,12 @@ HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "i
            "speedup_vs_greedy": "speedup vs greedy", "prompt_tokens": "prompt tokens (median)",
            "hf_decode_tok_s": "HF decode tok/s", "decode_speedup_vs_hf": "decode x HF", "hf_ttft_ms": "HF TTFT ms",
            "same_tokens_as_hf": "same tokens as HF", "predicted_this_hw": "predicted (measured costs)"}
-MIB = 2**20
-ITL_BINS = 20
 
 
-# ---------------------------------------------------------------- loading
-
+# -- loading -------------------------------------------------------------------------------
 def read_results(path: str | Path) -> list[dict]:
-    """The summary records of one `results.jsonl`, each with its prompt lines (same
-    `run`) attached as `prompts` and the file as `path`; a line that is not a JSON object
-    is skipped with a warning, and a file without a summary (an unfinished run) gives []."""
+    """The summary records of one `results.jsonl`, with their prompt lines (same `run`) as `prompts`
+    and the file as `path`; a non-object line is skipped with a warning, an unfinished run gives []."""
     path = Path(path)
     summaries, prompts = [], {}
     try:
@@ -62,14 +56,12 @@ def read_results(path: str | Path) -> list[dict]:
         return []
     for i, line in enumerate(lines, 1):
         try:
-            rec = json.loads(line) if line.strip() else None
+            rec = json.loads(line) if line.strip() else {}  # a blank line: nothing
         except ValueError:
             rec = None
         if not isinstance(rec, dict):
-            if line.strip():
-                log.warning("%s:%d: not a JSON object; line skipped", path, i)
-            continue
-        if rec.get("kind") == "summary":
+            log.warning("%s:%d: not a JSON object; line skipped", path, i)
+        elif rec.get("kind") == "summary":
             summaries.append(rec)
         elif rec.get("kind") == "prompt":
             prompts.setdefault(rec.get("run"), []).append(rec)
@@ -79,46 +71,26 @@ def read_results(path: str | Path) -> list[dict]:
 
 
 def finished_at(run: dict) -> datetime:
-    """The run's `finished` time as an aware datetime (naive times are taken as UTC;
-    a missing or unparsable one sorts first)."""
+    """The run's `finished` time (naive: UTC; missing or unparsable: the oldest)."""
     try:
         t = datetime.fromisoformat(str(run.get("finished")).replace("Z", "+00:00"))
     except ValueError:
-        return datetime.min.replace(tzinfo=timezone.utc)
+        t = datetime.min
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def dedupe(runs: list[dict]) -> list[dict]:
-    """One record per run ID: the newest `finished` (ties: the later path)."""
-    best: dict[str, dict] = {}
-    for r in sorted(runs, key=finished_at):  # stable: equal times keep path order
-        best[r.get("run") or str(r["path"])] = r
-    return list(best.values())
-
-
 def load_runs(root: str | Path) -> list[dict]:
-    """The finished runs under `root`: summary records with `prompts` (their prompt rows)
-    and `path` attached, one per run hash (the newest `finished`), in path order."""
+    """The finished runs under `root` (see `read_results`), one per run ID (the newest
+    `finished`; ties: the later path), in path order."""
     runs = [r for p in sorted(Path(root).rglob(RESULTS)) for r in read_results(p)]
-    return sorted(dedupe(runs), key=lambda r: str(r["path"]))
+    newest = {r.get("run") or str(r["path"]): r for r in sorted(runs, key=finished_at)}  # stable: ties keep path order
+    return sorted(newest.values(), key=lambda r: str(r["path"]))
 
 
-# ---------------------------------------------------------------- the table
-
-def is_speculative(setup: dict) -> bool:
-    """A setup whose decoder declares that it needs a drafter."""
-    return bool(setup.get("needs_drafter"))
-
-
-def _sort_key(row: dict) -> tuple:
-    # None sorts before any value, and values are never compared with None
-    return tuple((row.get(k) is not None, row.get(k) if row.get(k) is not None else "")
-                 for k in ("model", "cache", "decoder", "draft", "gamma"))
-
-
+# -- the table -----------------------------------------------------------------------------
 def flat_row(run: dict, root: Path | None = None) -> dict:
-    """One run as a flat dict: run hash, setup fields, metrics (bench's order, then any
-    extra metric), prompt count, finish time and the run's directory."""
+    """One run as a flat dict: entry, run ID, setup fields, metrics (bench's order, then any
+    extra metric), prompt count, finish time and the run's directory (relative to `root`)."""
     setup, metrics = run.get("setup") or {}, run.get("metrics") or {}
     path = Path(run["path"]).parent
     if root is not None and path.is_relative_to(root):
@@ -132,36 +104,28 @@ def flat_row(run: dict, root: Path | None = None) -> dict:
 
 
 def table_rows(runs: list[dict], root: str | Path | None = None) -> list[dict]:
-    """One flat row per run (see `flat_row`), sorted stably by model, cache, decoder, draft,
-    gamma. `root` makes the `dir` column relative. A speedup over greedy is only what a run
-    measured side by side (bench's `compare_greedy`), never a ratio of two runs."""
+    """`flat_row` of each run, sorted stably by SORT_FIELDS (missing values first). A speedup over
+    greedy is only what a run measured side by side (bench's `compare_greedy`), never a ratio of two runs."""
     rows = [flat_row(r, Path(root) if root is not None else None) for r in runs]
-    return sorted(rows, key=_sort_key)
+    return sorted(rows, key=lambda row: [(v is not None, "" if v is None else v) for v in map(row.get, SORT_FIELDS)])
 
 
 def fmt(v) -> str:
     """A cell: '-' for None, 3 significant digits for floats (no decimals from 1000)."""
-    if v is None:
-        return "-"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
-def default_columns(rows: list[dict]) -> list[str]:
-    """MAIN_COLUMNS, preceded by `model` and `workload` when the rows do not share one, and
-    followed by the side-by-side columns some row has."""
-    varying = [k for k in ("model", "workload") if len({r.get(k) for r in rows}) > 1]
-    return varying + list(MAIN_COLUMNS) + [k for k in SIDE_BY_SIDE if any(r.get(k) is not None for r in rows)]
+    return "-" if v is None else str(v)
 
 
 def entry_columns(entry: str, rows: list[dict]) -> list[str]:
-    """bench: `default_columns`; any other entry: the setup name and its scalar metrics."""
+    """bench: MAIN_COLUMNS, after `model` and `workload` when the rows do not share one, then the
+    side-by-side columns some row has; any other entry: the setup name and its scalar metrics."""
     if entry == "bench":
-        return default_columns(rows)
+        varying = [k for k in ("model", "workload") if len({r.get(k) for r in rows}) > 1]
+        return varying + list(MAIN_COLUMNS) + [k for k in SIDE_BY_SIDE if any(r.get(k) is not None for r in rows)]
     keys = dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float, str)) or v is None)
-    skip = {"entry", "run", "finished", "dir", "n_prompts", "speedup_vs_greedy", *SETUP_FIELDS[1:]} - {"model"}
-    return ["name"] + [k for k in keys if k not in skip and k != "name" and any(r.get(k) is not None for r in rows)]
+    skip = {"entry", "run", "finished", "dir", "n_prompts", "speedup_vs_greedy", *SETUP_FIELDS} - {"model"}
+    return ["name"] + [k for k in keys if k not in skip and any(r.get(k) is not None for r in rows)]
 
 
 def report_markdown(rows: list[dict]) -> str:
@@ -178,15 +142,13 @@ def report_markdown(rows: list[dict]) -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """A Markdown table of `rows` over `columns` (default: `default_columns`), with
-    readable headers, numbers right-aligned and '-' for missing values."""
-    cols = list(columns) if columns is not None else default_columns(rows)
-    numeric = {c for c in cols if any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
-                                      for r in rows)}
+    """A Markdown table of `rows` over `columns` (default: bench's), with readable headers,
+    numbers right-aligned and '-' for missing values."""
+    cols = list(columns) if columns is not None else entry_columns("bench", rows)
+    numeric = {c for c in cols for r in rows if isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)}
     lines = ["| " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",
              "|" + "|".join("---:" if c in numeric else "---" for c in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(c)).replace("|", "\\|") for c in cols) + " |")
+    lines += ["| " + " | ".join(fmt(r.get(c)).replace("|", "\\|") for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -200,26 +162,30 @@ def write_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-# ---------------------------------------------------------------- plots
-
-def _label(run: dict, field: str, multi_model: bool) -> str:
-    """A series label: the setup field, prefixed by the model when the report has several."""
-    setup = run.get("setup") or {}
-    return f"{setup.get('model')} {setup.get(field)}" if multi_model else str(setup.get(field))
-
-
+# -- plots ---------------------------------------------------------------------------------
 def _points(runs: list[dict], field: str, xy, skip=lambda r: False) -> dict[str, list[tuple]]:
-    """Series labelled by the setup's `field`: the (x, y) pairs `xy(prompt row)` yields
-    over every prompt of every run not skipped; series without data are dropped."""
+    """Series per setup `field` (prefixed by the model when the runs have several): the (x, y)
+    pairs `xy(prompt row)` yields over the prompts of the runs not skipped, if any."""
     multi = len({(r.get("setup") or {}).get("model") for r in runs}) > 1
     out: dict[str, list[tuple]] = {}
     for r in runs:
-        if not skip(r):
-            out.setdefault(_label(r, field, multi), []).extend(pt for p in r["prompts"] for pt in xy(p))
+        setup = r.get("setup") or {}
+        if not skip(setup):
+            label = f"{setup.get('model')} {setup.get(field)}" if multi else str(setup.get(field))
+            out.setdefault(label, []).extend(pt for p in r["prompts"] for pt in xy(p))
     return {k: v for k, v in out.items() if v}
 
 
-def binned_median(pts: list[tuple], bins: int = ITL_BINS) -> list[tuple]:
+def _by_gamma(rows: list[dict], field: str) -> dict[str, list[tuple]]:
+    """(gamma, row[field]) per drafter and cache, over the speculative rows with both."""
+    out: dict[str, list[tuple]] = {}
+    for r in rows:
+        if r.get("needs_drafter") and r.get("gamma") is not None and r.get(field) is not None:
+            out.setdefault(f"{r.get('draft')} / {r.get('cache')}", []).append((r["gamma"], r[field]))
+    return out
+
+
+def binned_median(pts: list[tuple], bins: int = 20) -> list[tuple]:
     """(median x, median y) in up to `bins` equal-width bins of x; empty bins dropped."""
     import numpy as np
 
@@ -229,22 +195,20 @@ def binned_median(pts: list[tuple], bins: int = ITL_BINS) -> list[tuple]:
     return [(float(np.median(x[idx == i])), float(np.median(y[idx == i]))) for i in np.unique(idx)]
 
 
-def plot(path: Path, panels: list[tuple[dict, dict]], style: str = "o-") -> Path | None:
-    """One figure of side-by-side panels, each (series {label: [(x, y)]}, axes settings),
-    on a matplotlib Agg canvas (no pyplot state); None (logged) when no panel has data."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
+    """One figure of side-by-side panels, each (series {label: [(x, y)]}, x label, y label,
+    title), as a matplotlib Figure (no pyplot state); None (logged) when no panel has data."""
     from matplotlib.figure import Figure
 
-    if not any(series for series, _ in panels):
+    if not any(panel[0] for panel in panels):
         log.info("skipped %s: no data for it", path.name)
         return None
     fig = Figure(figsize=(6.4 * len(panels), 4.4), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, (series, settings) in enumerate(panels):
+    for i, (series, xlabel, ylabel, title) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
         for name, pts in series.items():
             ax.plot(*zip(*sorted(pts)), "--" if name.endswith("formula") else style, label=name, linewidth=0.9)
-        ax.set(**settings)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
         ax.grid(True, alpha=0.3)
         if series:
             ax.legend(fontsize="small")
@@ -256,28 +220,22 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
     """TTFT vs prompt length (per setup), ITL vs context (median per bin, per cache, plain
     decoders), KV MiB allocated and by formula vs context (per cache), and speedup over
     greedy and acceptance vs gamma (per drafter and cache), where there is data."""
+    def mib(p: dict, key: str) -> list[tuple]:  # (prompt + new tokens, KV MiB) where the prompt recorded `key`
+        return [(p["prompt_tokens"] + p["new_tokens"], p[key] / 2**20)] if p.get(key) is not None else []
+
     ttft = _points(runs, "name", lambda p: [(p["prompt_tokens"], p["ttft_ms"])] if "ttft_ms" in p else [])
     itl = _points(runs, "cache", lambda p: zip(p.get("context") or [], p.get("itl_ms") or []),
-                  skip=lambda r: is_speculative(r.get("setup") or {}))
-    ctx = lambda p, k: [(p["prompt_tokens"] + p["new_tokens"], p[k] / MIB)] if p.get(k) is not None else []  # noqa: E731
-    alloc = _points(runs, "cache", lambda p: ctx(p, "kv_bytes_allocated"))
-    formula = _points(runs, "cache", lambda p: ctx(p, "kv_bytes_formula"))
-    spec = [r for r in rows if is_speculative(r) and r.get("gamma") is not None]
-    by_gamma = lambda f: {k: v for k, v in _group(spec, f).items() if v}  # noqa: E731
-    figs = {"ttft_vs_prompt_len": [(ttft, dict(xlabel="prompt tokens", ylabel="TTFT (ms)",
-                                               title="Time to first token vs prompt length"))],
-            "itl_vs_context": [({k: binned_median(v) for k, v in itl.items()},
-                                dict(xlabel="tokens in cache", ylabel="ITL (ms), median per bin",
-                                     title="Inter-token latency vs context (plain decoders)"))],
-            "kv_mib_vs_context": [({**{f"{k} allocated": v for k, v in alloc.items()},
-                                    **{f"{k} formula": v for k, v in formula.items()}},
-                                   dict(xlabel="prompt + new tokens", ylabel="KV cache (MiB)",
-                                        title="KV cache memory vs context"))],
-            "speculative_vs_gamma": [(by_gamma("speedup_vs_greedy"), dict(xlabel="gamma", ylabel="x greedy",
-                                                                            title="Speculative speedup vs gamma")),
-                                     (by_gamma("acceptance_rate"), dict(xlabel="gamma", ylabel="acceptance rate",
-                                                                        title="Acceptance vs gamma"))]}
-    if spec and not by_gamma("speedup_vs_greedy"):
+                  skip=lambda setup: setup.get("needs_drafter"))
+    kv = {f"{cache} {kind}": pts for kind in ("allocated", "formula")
+          for cache, pts in _points(runs, "cache", lambda p: mib(p, f"kv_bytes_{kind}")).items()}
+    speedup, accept = _by_gamma(rows, "speedup_vs_greedy"), _by_gamma(rows, "acceptance_rate")
+    figs = {"ttft_vs_prompt_len": [(ttft, "prompt tokens", "TTFT (ms)", "Time to first token vs prompt length")],
+            "itl_vs_context": [({k: binned_median(v) for k, v in itl.items()}, "tokens in cache",
+                                "ITL (ms), median per bin", "Inter-token latency vs context (plain decoders)")],
+            "kv_mib_vs_context": [(kv, "prompt + new tokens", "KV cache (MiB)", "KV cache memory vs context")],
+            "speculative_vs_gamma": [(speedup, "gamma", "x greedy", "Speculative speedup vs gamma"),
+                                     (accept, "gamma", "acceptance rate", "Acceptance vs gamma")]}
+    if not speedup and any(r.get("needs_drafter") and r.get("gamma") is not None for r in rows):
         figs.pop("speculative_vs_gamma")
         log.info("skipped speculative_vs_gamma.png: no speculative run measured its speedup over greedy "
                  "side by side (bench's compare_greedy=true)")
@@ -285,19 +243,12 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
     return {k: v for k, v in written.items() if v is not None}
 
 
-def _group(rows: list[dict], field: str) -> dict[str, list[tuple]]:
-    """(gamma, row[field]) per drafter and cache."""
-    out: dict[str, list[tuple]] = {}
-    for r in rows:
-        if r.get(field) is not None:
-            out.setdefault(f"{r.get('draft')} / {r.get('cache')}", []).append((r["gamma"], r[field]))
-    return out
+# -- the report ----------------------------------------------------------------------------
+class NoRunsError(SetupError):
+    """A directory with no finished run under it (the console exits 2, as for any SetupError)."""
 
-
-# ---------------------------------------------------------------- the report
-
-class NoRunsError(FileNotFoundError):
-    """A directory with no finished run under it."""
+    def __str__(self) -> str:
+        return self.reasons[0]
 
 
 def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, Path]:
@@ -319,21 +270,17 @@ def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, P
     return paths
 
 
-@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="report")
-def main(cfg) -> None:
-    """Print the tables and the paths written; exit 2 when `dir` has no finished run."""
+def run(cfg, _output_dir: Path) -> None:
+    """Print the tables and the paths written; a `dir` with no finished run is a NoRunsError."""
     if cfg.dir is None or not Path(cfg.dir).is_dir():
-        print(f"error: dir={cfg.dir} is not a directory; give a run or multirun directory holding {RESULTS} "
-              "files: decodelab-report dir=outputs/sweeps/compare (or the directory alone)", file=sys.stderr)
-        sys.exit(2)
-    try:
-        paths = write_report(cfg.dir, cfg.out)
-    except NoRunsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise NoRunsError(f"dir={cfg.dir} is not a directory; give a run or multirun directory holding {RESULTS} "
+                          "files: decodelab-report dir=outputs/sweeps/compare (or the directory alone)")
+    paths = write_report(cfg.dir, cfg.out)
     print(paths["md"].read_text())
-    for path in paths.values():
-        print(f"wrote {path}", file=sys.stderr)
+    print("\n".join(f"wrote {path}" for path in paths.values()), file=sys.stderr)
+
+
+main = harness.hydra_app("report", run)
 
 
 def cli() -> None:
