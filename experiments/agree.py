@@ -28,6 +28,7 @@ from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
+from decodelab.experiments.cli import has_key
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 from decodelab.models.reference import hf_model_for
@@ -103,16 +104,9 @@ def compose_setup(name: str, groups: list[str], values: list = ()) -> DictConfig
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             scfg = compose(config_name="config", overrides=args)
     for o in values:
-        if _has(scfg, o.key_or_group):
+        if has_key(scfg, o.key_or_group):
             OmegaConf.update(scfg, o.key_or_group, o.value(), merge=False)
     return scfg
-
-
-_ABSENT = object()
-
-
-def _has(cfg: DictConfig | None, key: str) -> bool:
-    return cfg is not None and OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
 
 
 def _setup_problems(name: str, groups: list[str], values: list) -> tuple[DictConfig | None, list[str]]:
@@ -139,7 +133,7 @@ def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
         composed[name], p = _setup_problems(name, groups, values)
         reasons += p
     for o in values:  # a plain key=value Hydra has already matched against agree's own groups
-        if (o.is_add() or o.is_force_add()) and known and not any(_has(c, o.key_or_group) for c in composed.values()):
+        if (o.is_add() or o.is_force_add()) and known and not any(has_key(c, o.key_or_group) for c in composed.values()):
             reasons.append(f"{o.input_line}: no chosen setup has the option {o.key_or_group}")
     raise_if(reasons)
     return composed

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from omegaconf import OmegaConf
+
 from decodelab.experiments.harness import group_options
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
@@ -51,13 +53,11 @@ def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
     """(reasons for `a.b=v` overrides whose key the composed config lacks, the rest)."""
     import difflib
 
-    from omegaconf import OmegaConf
-
     reasons, kept = [], []
     for arg in argv:
         key = arg.partition("=")[0]
         if (arg.startswith(("-", "+", "~", "hydra")) or "=" not in arg or _group(key)
-                or OmegaConf.select(cfg, key, default=_NO) is not _NO):
+                or has_key(cfg, key)):
             kept.append(arg)
             continue
         parent, _, leaf = key.rpartition(".")
@@ -70,7 +70,9 @@ def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
     return reasons, kept
 
 
-_NO = object()
+def has_key(cfg, key: str) -> bool:
+    """Whether the composed config `cfg` (None: no config) has the dotted `key`."""
+    return cfg is not None and OmegaConf.select(cfg, key, default=has_key) is not has_key
 
 
 def precheck(argv: list[str], config_name: str, check: Callable) -> None:

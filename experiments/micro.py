@@ -20,6 +20,7 @@ from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
+from decodelab.experiments.report import markdown_table
 from decodelab.experiments.workloads import ShareGPT, synthetic_prompt
 from decodelab.models.reference import hf_cache_bytes, hf_model_for, hf_quantized_cache, hf_steps
 from decodelab.models.errors import raise_if
@@ -166,8 +167,6 @@ def run(cfg: DictConfig, out) -> list[dict]:
     rid = harness.run_id(cfg.part)
     recs = [harness.summary("micro", f"{rid}-{i}", {"name": cfg.part, "model": lm.name}, row, cond, cfg)
             for i, row in enumerate(rows)]
-    from decodelab.experiments.report import markdown_table
-
     print(markdown_table(rows, list(dict.fromkeys(k for r in rows for k in r))))
     print(f"model={lm.name} conditions: {cond}")
     print(f"wrote {harness.write_jsonl(out / harness.RESULTS, recs)}")
