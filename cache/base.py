@@ -32,10 +32,15 @@ naming the backend): `static_view()` (fixed-shape storage for a compiled decode 
 `fill_random(n_tokens, seed)` (random K/V for kernel checks and benchmarks) and
 `read_bytes(context)` (bytes one decode step reads). Nothing outside `cache/` reads a
 backend's private state or asks its type.
+
+Before anything is allocated, `planned_bytes(factory, layout, batch_size, capacity)`
+sizes the cache a factory would build (each backend's classmethod `planned_bytes`, from
+its options alone), so a caller can refuse a cache that cannot fit.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -140,6 +145,16 @@ class KVCache:
     lossy: bool = False
     #: leading positions a windowed layer keeps visible (StreamingLLM attention sinks)
     sink_tokens: int = 0
+
+    @classmethod
+    def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, **options) -> int:
+        """K/V bytes a cache of these sizes and options holds at most (allocated up front,
+        or grown to by `capacity` tokens in every row), computed without allocating: for
+        the memory check before a cache is built. Default: the formula at full capacity,
+        batch_size x capacity x bytes_per_token (2 x layers x kv_heads x head_dim x bytes);
+        a backend that stores less, or more, overrides it. Options it cannot size raise
+        the SetupError its constructor would."""
+        return batch_size * capacity * layout.bytes_per_token()
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
         reasons = []
@@ -260,3 +275,16 @@ class KVCache:
         """Bytes allocated, bytes by the formula and tokens held (backends add their own)."""
         return {"kv_bytes_allocated": self.nbytes(), "kv_bytes_formula": self.theoretical_bytes(),
                 "kv_tokens": int(self.lengths.sum())}
+
+
+def planned_bytes(factory, layout: CacheLayout, batch_size: int, capacity: int) -> int:
+    """The `planned_bytes` of the cache `factory(layout, batch_size, capacity)` would build,
+    without building it. `factory` is a backend class or a `functools.partial` of one (what
+    the cache configs instantiate); any other callable is sized as dense (every position of
+    every row in the layout's dtype)."""
+    func, args, options = factory, (), {}
+    if isinstance(factory, functools.partial):
+        func, args, options = factory.func, factory.args, factory.keywords
+    if isinstance(func, type) and issubclass(func, KVCache):
+        return func.planned_bytes(layout, batch_size, capacity, *args, **options)
+    return KVCache.planned_bytes(layout, batch_size, capacity)

@@ -179,6 +179,29 @@ class QuantizedCache(KVCache):
         self.align = max(self.key_grouping.tokens_per_index, self.value_grouping.tokens_per_index)
         self.reset()
 
+    @classmethod
+    def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, nbits: int = 4,
+                      group_size: int = 64, residual: int = 112, key_axis: str = "channel",
+                      value_axis: str = "token", flush: int | None = None, scale_dtype: str = "float16",
+                      rollback: int = 16, impl: str = "auto") -> int:
+        """What the stores grow to when every row holds `capacity` tokens (nothing is
+        allocated up front): per layer and row, V(capacity - 1) quantized tokens (nbits
+        codes plus a scale and a shift per group, K and V) and at most residual + rollback
+        + flush exact ones; plus, while a forward stores its tokens, one layer's K/V of a
+        forward over the whole capacity in full precision (a long prefill is appended
+        exact before its blocks are quantized)."""
+        flush = group_size if flush is None else flush
+        raise_if(option_problems(layout, nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype,
+                                 rollback))
+        H, D, L = layout.n_kv_heads, layout.head_dim, layout.n_layers
+        exact_token = layout.bytes_per_token() // L  # K and V of one token in one layer
+        scale = SCALE_DTYPES[scale_dtype].itemsize
+        quantized_token = sum(H * D * nbits // 8 + 2 * (H * D // effective_group(axis, group_size, D)) * scale
+                              for axis in (key_axis, value_axis))  # K and V: codes, scales, shifts
+        quantized = max(0, (capacity - residual) // flush) * flush  # V(capacity - 1)
+        exact = min(capacity, residual + rollback + flush)
+        return batch_size * (L * (quantized * quantized_token + exact * exact_token) + capacity * exact_token)
+
     def __repr__(self) -> str:
         kg, vg = self.key_grouping, self.value_grouping
         return (f"QuantizedCache(qint{self.nbits}, group={kg.size}/{vg.size}, residual={self.residual}, "

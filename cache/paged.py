@@ -104,6 +104,29 @@ def waste_report(lengths: list[int], block_size: int = 16, bytes_per_token: int 
             "paged_waste_fraction": (paged - tokens) / paged, "dense_waste_fraction": (dense - tokens) / dense}
 
 
+def pool_size(block_bytes: int, block_size: int, batch_size: int, capacity: int, num_blocks: int | None,
+              budget_mb: float | None) -> tuple[int, list[str]]:
+    """Blocks in the pool (given, from the budget, or one full row per batch row), and
+    every reason that sizing cannot work; `block_bytes` is K and V of one block, all layers."""
+    bs, p = block_size, []
+    if num_blocks is not None and budget_mb is not None:
+        p.append(f"give num_blocks ({num_blocks}) or memory_budget_mb ({budget_mb}), not both")
+    if bs < 1:
+        return 0, p + [f"block_size must be >= 1 token, got {bs}"]
+    row = math.ceil(max(capacity, 1) / bs)  # blocks one row of `capacity` tokens needs
+    if num_blocks is None and budget_mb is not None:
+        num_blocks = int(budget_mb * 2**20 // block_bytes)  # MiB
+    if num_blocks is None:
+        num_blocks = max(batch_size, 1) * row
+    if num_blocks < 1:
+        p.append(f"num_blocks must be >= 1, got {num_blocks} (a block is {block_bytes} bytes)")
+    elif num_blocks < row:
+        p.append(f"a pool of {num_blocks} blocks x {bs} tokens cannot hold one row of capacity {capacity} "
+                 f"({row} blocks, {row * block_bytes} bytes); raise num_blocks / memory_budget_mb "
+                 "or lower the capacity")
+    return num_blocks, p
+
+
 @dataclass
 class _Reads:
     """What one window reads in the current forward (memoized per window)."""
@@ -128,7 +151,7 @@ class PagedCache(KVCache):
             reasons = e.reasons + reasons
         self.block_size = block_size
         self.block_bytes = layout.bytes_per_token() * block_size  # K and V of one block, all layers
-        n, more = self._pool_size(batch_size, capacity, num_blocks, memory_budget_mb)
+        n, more = pool_size(self.block_bytes, block_size, batch_size, capacity, num_blocks, memory_budget_mb)
         raise_if(reasons + more)
         self.num_blocks, self.prefix_caching = n, prefix_caching
         self.impl = resolve_impl(impl, layout.device)  # decode attention: cache/kernels/dispatch.py
@@ -145,27 +168,16 @@ class PagedCache(KVCache):
         self.alloc = BlockAllocator(n)
         self.prefix_reused_tokens = 0
 
-    def _pool_size(self, batch_size: int, capacity: int, num_blocks: int | None,
-                   budget_mb: float | None) -> tuple[int, list[str]]:
-        """Blocks in the pool (given, from the budget, or one full row per batch row), and
-        every reason that sizing cannot work."""
-        bs, p = self.block_size, []
-        if num_blocks is not None and budget_mb is not None:
-            p.append(f"give num_blocks ({num_blocks}) or memory_budget_mb ({budget_mb}), not both")
-        if bs < 1:
-            return 0, p + [f"block_size must be >= 1 token, got {bs}"]
-        row = math.ceil(max(capacity, 1) / bs)  # blocks one row of `capacity` tokens needs
-        if num_blocks is None and budget_mb is not None:
-            num_blocks = int(budget_mb * 2**20 // self.block_bytes)  # MiB
-        if num_blocks is None:
-            num_blocks = max(batch_size, 1) * row
-        if num_blocks < 1:
-            p.append(f"num_blocks must be >= 1, got {num_blocks} (a block is {self.block_bytes} bytes)")
-        elif num_blocks < row:
-            p.append(f"a pool of {num_blocks} blocks x {bs} tokens cannot hold one row of capacity {capacity} "
-                     f"({row} blocks, {row * self.block_bytes} bytes); raise num_blocks / memory_budget_mb "
-                     "or lower the capacity")
-        return num_blocks, p
+    @classmethod
+    def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
+                      num_blocks: int | None = None, memory_budget_mb: float | None = None,
+                      prefix_caching: bool = True, impl: str = "auto") -> int:
+        """The pool the constructor allocates: num_blocks x block_size x bytes_per_token
+        (num_blocks given, from the budget, or one full row per batch row)."""
+        block_bytes = layout.bytes_per_token() * block_size
+        n, reasons = pool_size(block_bytes, block_size, batch_size, capacity, num_blocks, memory_budget_mb)
+        raise_if(reasons)
+        return n * block_bytes
 
     # -- called by the model -------------------------------------------------------
     def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:

@@ -139,6 +139,15 @@ class SlidingCache(DenseCache):
     approximate: bool = False
     label: str = "sliding"
 
+    @classmethod
+    def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, rollback: int = 8,
+                      window: int | None = None, sinks: int = 0) -> int:
+        """The buffers the constructor allocates: `layer_slots` per row and layer (sinks +
+        ring for windowed layers, capacity for full ones), K and V, every row."""
+        raise_if(problems(layout, rollback, window, sinks))
+        slots = sum(layer_slots(imposed_windows(layout, window), capacity, rollback, sinks))
+        return batch_size * slots * (layout.bytes_per_token() // layout.n_layers)
+
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, rollback: int = 8,
                  window: int | None = None, sinks: int = 0):
         reasons = problems(layout, rollback, window, sinks)

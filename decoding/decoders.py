@@ -6,6 +6,9 @@ A decoder declares what it is as class attributes: `needs_drafter`, `lookahead`
 (seeds its generator; called once per generation), `start(logits)` (the first token
 from the prefill logits) and `step(model, cache, last) -> list[list[int]]` (tokens
 produced per row; plain decoding produces one, speculative decoding may produce more).
+The loop owns stopping: after each step it calls `output_kept(kept)` with how many of
+each row's produced tokens the output kept (fewer at EOS, a stop string or
+max_new_tokens), so that statistics count what was emitted.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class SamplingDecoder:
         positions = cache.lengths[:, None].to(model.device)  # [B, 1]
         logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]
         return [[t] for t in choose(logits, self.params, self.generator).tolist()]
+
+    def output_kept(self, kept: list[int]) -> None:
+        """How many of the last step's tokens each row's output kept: no statistics here."""
 
 
 def greedy() -> SamplingDecoder:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from decodelab.decoding.prefill import prefill
+from decodelab.decoding.prefill import prefill, token_id_problems
 from decodelab.models.errors import SetupError, raise_if
 
 # on_token(row, token_id, text_delta): text_delta is "" without a tokenizer
@@ -78,17 +78,11 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
     p = []
     if not isinstance(prompts, list) or not prompts:
         raise SetupError("prompts must be a non-empty list of token-id lists")
-    vocab = model.cfg.vocab_size
-    for b, ids in enumerate(prompts):
-        if len(ids) == 0:
-            p.append(f"prompt {b} is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            p.append(f"prompt {b} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        p.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    p += token_id_problems(prompts, model.cfg.vocab_size)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        p.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     else:
-        longest = max(len(x) for x in prompts)
+        longest = max(map(_length, prompts))
         # a decoder that verifies ahead writes up to `lookahead` positions past the output
         need = longest + max_new_tokens + getattr(decoder, "lookahead", 0)
         if need > model.cfg.max_seq_len:
@@ -105,6 +99,13 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
     raise_if(p)
 
 
+def _length(ids) -> int:
+    try:
+        return len(ids)
+    except TypeError:  # not a sequence: token_id_problems names it
+        return 0
+
+
 class _Rows:
     """Per-row output state: tokens, times, stopping and incremental detokenization."""
 
@@ -119,12 +120,13 @@ class _Rows:
     def done(self) -> bool:
         return all(r is not None for r in self.reason)
 
-    def add(self, row: int, produced: list[int]) -> None:
-        """Append a row's new tokens, stopping at EOS, a stop string or max_new_tokens."""
-        now = time.perf_counter() - self.t0
+    def add(self, row: int, produced: list[int]) -> int:
+        """Append a row's new tokens, stopping at EOS, a stop string or max_new_tokens;
+        return how many were kept."""
+        now, before = time.perf_counter() - self.t0, len(self.tokens[row])
         for t in produced:
             if self.reason[row] is not None:
-                return
+                break
             self.tokens[row].append(t)
             self.times[row].append(now)
             if t in self.eos:
@@ -132,6 +134,7 @@ class _Rows:
             elif len(self.tokens[row]) >= self.max_new:
                 self.reason[row] = "length"
             self._emit(row, t)
+        return len(self.tokens[row]) - before
 
     def _emit(self, row: int, t: int) -> None:
         delta = ""
@@ -178,8 +181,7 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
         rows.add(b, [t])
     while not rows.done():
         produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason])
-        for b, toks in enumerate(produced):
-            rows.add(b, toks)
+        decoder.output_kept([rows.add(b, toks) for b, toks in enumerate(produced)])  # stats count the output
         last = torch.tensor([p[-1] for p in produced], device=model.device)
     text = None
     if tokenizer is not None:

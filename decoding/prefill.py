@@ -2,7 +2,65 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
+
+from decodelab.models.errors import raise_if
+
+
+def token_id_problems(prompts, vocab_size: int) -> list[str]:
+    """Every reason `prompts` [B][n_b] are not token ids of a `vocab_size`-token model.
+
+    A row is a non-empty list of Python ints (or a 1-D integer tensor or array) in
+    [0, vocab_size). A float id (3.7, and 3.0 too), a float tensor or a bool is refused
+    here, where ids enter the library: converting it would truncate 3.7 to 3 or read
+    True as 1, and generate from a prompt nobody wrote."""
+    p = []
+    for b, ids in enumerate(prompts):
+        try:
+            row = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError) as e:
+            p.append(f"prompt {b} cannot be read as token ids ({e}): give a list of ints")
+            continue
+        if row.dim() != 1:
+            p.append(f"prompt {b} is a {row.dim()}-d {type(ids).__name__}, not one sequence of token ids: "
+                     "give a list of ints per prompt")
+        elif row.numel() == 0:
+            p.append(f"prompt {b} is empty: give at least one token")
+        elif not _integer_ids(ids, row):
+            p.append(f"prompt {b} has token ids that are not integers ({_describe(ids, row)}); token ids are "
+                     "refused, not truncated: pass ints (e.g. [int(t) for t in ids] after checking they are "
+                     "whole, or tensor.long().tolist())")
+        else:
+            bad = row[(row < 0) | (row >= vocab_size)]
+            if bad.numel():
+                p.append(f"prompt {b} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5].tolist()}")
+    return p
+
+
+def _integer_ids(ids, row: torch.Tensor) -> bool:
+    """An integer dtype, and no Python bool among a list's ints (as_tensor reads [1, True] as int64)."""
+    if row.dtype == torch.bool or row.dtype.is_floating_point or row.dtype.is_complex:
+        return False
+    return not (isinstance(ids, (list, tuple)) and any(isinstance(t, bool) for t in ids))
+
+
+def _describe(ids, row: torch.Tensor) -> str:
+    """What the non-integer ids are: a tensor's dtype, or a list's offending elements."""
+    if not isinstance(ids, (list, tuple)):
+        return f"a {type(ids).__name__} of dtype {row.dtype}, e.g. {row[:3].tolist()}"
+    wrong = [t for t in ids if isinstance(t, bool) or not _is_index(t)]
+    kinds = sorted({type(t).__name__ for t in wrong})
+    return f"{len(wrong)} of type {', '.join(kinds)}, e.g. {wrong[:3]}"
+
+
+def _is_index(t) -> bool:
+    try:
+        operator.index(t)  # int, numpy and 0-d integer tensor ids; not floats
+    except TypeError:
+        return False
+    return True
 
 
 def pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -10,7 +68,7 @@ def pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.T
     lengths = torch.tensor([len(p) for p in prompts])
     ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids[b, : len(p)] = torch.as_tensor(p, dtype=torch.long)
     return ids.to(device), lengths
 
 
@@ -24,6 +82,7 @@ def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = Non
     changes a result. With `chunk_size`, the prompt runs in chunks of that many
     positions (same logits as one pass, smaller peak memory). A backend with a prefix
     cache maps already-cached prompt blocks first; only the rest is computed."""
+    raise_if(token_id_problems(prompts, model.cfg.vocab_size))  # before the cache is touched
     fresh = bool((cache.lengths == 0).all())  # prompts start at position 0: a prefix cache applies
     reused = cache.reuse_prefix(prompts) if fresh else [0] * len(prompts)
     logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size)

@@ -85,12 +85,29 @@ def predicted_speedups(stats: list[dict], step_s: float) -> dict:
 
 
 class SpeculativeStats:
-    """Acceptance per draft position, tokens per target call, alpha, and the time split."""
+    """Acceptance per draft position, tokens per target call, alpha, and the time split.
 
-    def __init__(self, gamma_max: int):
+    Two kinds of numbers, kept apart on purpose (`summary` returns both):
+    - the drafter's quality, over every draft position the target verified, including
+      positions whose tokens fall past the end of the output (the target did score them):
+      `acceptance_per_position` (accepted / verified at draft position i),
+      `acceptance_rate` (all accepted / all verified), `alpha` (mean overlap
+      sum_x min(p, q) over the visited positions, see `record`), `mean_gamma` (drafts per
+      call) and `predicted_speedup` (Leviathan's formula from alpha, mean_gamma and
+      `draft_cost_ratio`: the expected speedup on an output long enough that no call is
+      cut short);
+    - the output, counting only what the loop emitted (a call's tokens past EOS, a stop
+      string or max_new_tokens are dropped, so not counted): `emitted_tokens` (every
+      row's output, its first token from the prefill included: the result's new_tokens)
+      and `tokens_per_target_call` (the tokens the verify calls added to the output, per
+      active row and call: at most gamma + 1, and at most what the output had left)."""
+
+    def __init__(self, gamma_max: int, rows: int = 0):
         self.proposed = [0] * gamma_max  # times draft position i was verified
         self.accepted = [0] * gamma_max  # times it was accepted
-        self.calls = self.rows = self.tokens = self.draft_steps = 0
+        self.calls = self.rows = self.draft_steps = 0  # rows: active rows summed over calls
+        self.first_tokens = rows  # one per row, chosen from the prefill (no target call)
+        self.emitted = 0  # tokens of the verify calls that the output kept
         self.alpha_sum, self.alpha_n = 0.0, 0
         self.draft_s = self.verify_s = self.other_s = 0.0
         self.gammas: list[int] = []
@@ -109,13 +126,17 @@ class SpeculativeStats:
         n, act = n[active].tolist(), int(active.sum())
         self.calls += 1
         self.rows += act
-        self.tokens += sum(n) + act
         for i in range(gamma):
             self.proposed[i] += act
             self.accepted[i] += sum(1 for x in n if x > i)
         self.alpha_sum += float(alpha[active].cpu()[visited].sum())
         self.alpha_n += int(visited.sum())
         self.gammas.append(gamma)
+
+    def kept(self, counts: list[int]) -> None:
+        """How many of the last call's tokens (accepted drafts + the next token) each row's
+        output kept: all of them, or fewer where the row stopped."""
+        self.emitted += sum(counts)
 
     def summary(self) -> dict:
         alpha = self.alpha_sum / max(1, self.alpha_n)
@@ -124,7 +145,8 @@ class SpeculativeStats:
         return {
             "acceptance_per_position": [a / p if p else None for a, p in zip(self.accepted, self.proposed)],
             "acceptance_rate": sum(self.accepted) / max(1, sum(self.proposed)),
-            "tokens_per_target_call": self.tokens / max(1, self.rows),
+            "tokens_per_target_call": self.emitted / max(1, self.rows),
+            "emitted_tokens": self.first_tokens + self.emitted,
             "alpha": alpha, "mean_gamma": gamma, "target_calls": self.calls, "draft_cost_ratio": c,
             "predicted_speedup": leviathan_speedup(alpha, gamma, c) if self.calls else None,
             "time_draft_s": self.draft_s, "time_verify_s": self.verify_s, "time_overhead_s": self.other_s,
@@ -180,7 +202,7 @@ class SpeculativeDecoder:
     def begin(self, device: torch.device, prompts: list[list[int]], capacity: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
         self.gamma = self.gamma0
-        self._stats = SpeculativeStats(self.gamma_max)
+        self._stats = SpeculativeStats(self.gamma_max, rows=len(prompts))
         self.drafter.begin(prompts, capacity)
 
     def start(self, logits: torch.Tensor) -> torch.Tensor:
@@ -224,6 +246,11 @@ class SpeculativeDecoder:
         s.draft_s, s.verify_s, s.other_s = s.draft_s + t1 - t0, s.verify_s + t2 - t1, s.other_s + t3 - t2
         s.draft_steps += G
         return out
+
+    def output_kept(self, kept: list[int]) -> None:
+        """How many of the last step's tokens each row's output kept (the loop stops rows
+        at EOS, a stop string or max_new_tokens): `tokens_per_target_call` counts these."""
+        self._stats.kept(kept)
 
     def _adapt(self, n: torch.Tensor, active: torch.Tensor) -> None:
         if not self.adaptive or not bool(active.any()):

@@ -5,16 +5,77 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from decodelab.cache.base import CacheLayout, KVCache
+import torch
+
+from decodelab.cache.base import CacheLayout, KVCache, planned_bytes
 from decodelab.cache.dense import DenseCache
 from decodelab.decoding.decoders import SamplingDecoder
 from decodelab.decoding.generate import GenerationResult, TokenCallback, generate
+from decodelab.models.errors import SetupError, raise_if
 
 CacheFactory = Callable[..., KVCache]  # (layout, batch_size, capacity) -> cache
 
+GiB = 2**30
+
+
+def free_bytes(device) -> int | None:
+    """Memory a new allocation on `device` can still get, in bytes: on CUDA the driver's
+    free memory plus what torch's allocator holds unused; on a CPU the available RAM
+    (psutil, else MemAvailable in /proc/meminfo); None where it cannot be known."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+    except ImportError:
+        return _meminfo_available()
+    return int(psutil.virtual_memory().available)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            fields = dict(line.split(":", 1) for line in fh)
+    except OSError:
+        return None
+    kib = fields.get("MemAvailable", "").split()
+    return int(kib[0]) * 1024 if kib else None
+
+
+def capacity_problems(model, batch_size: int, capacity: int, factory: CacheFactory = DenseCache) -> list[str]:
+    """Every reason a cache of `batch_size` rows x `capacity` tokens from `factory` cannot
+    be built for `model`, found without allocating anything: the capacity against the
+    model's context (`cfg.max_seq_len`), and the backend's `planned_bytes` against the
+    free memory of the model's device (`free_bytes`). Entry points call it right after
+    tokenizing (capacity = longest prompt + max_new_tokens + the decoder's lookahead);
+    `make_cache` raises it."""
+    if not (isinstance(batch_size, int) and isinstance(capacity, int)) or batch_size < 1 or capacity < 1:
+        return []  # the backend's constructor names these
+    p = []
+    context = getattr(model.cfg, "max_seq_len", None)
+    if context and capacity > context:
+        p.append(f"a cache of {capacity:,} tokens per row (prompt + max_new_tokens + the decoder's lookahead) "
+                 f"exceeds the model's context of {context:,} tokens; lower max_new_tokens or shorten the prompt")
+    layout = CacheLayout.of(model)
+    try:
+        need = planned_bytes(factory, layout, batch_size, capacity)
+    except SetupError as e:  # options the backend cannot size: the reasons its constructor gives
+        return p + e.reasons
+    free = free_bytes(layout.device)
+    if free is not None and need > free:
+        p.append(f"the KV cache ({batch_size} row(s) x {capacity:,} tokens) needs {need / GiB:.2f} GiB "
+                 f"({need:,} bytes) but {free / GiB:.2f} GiB is free on {layout.device}; lower max_new_tokens "
+                 "or the batch, or use a smaller cache (int4, or paged with memory_budget_mb)")
+    return p
+
 
 def make_cache(model, batch_size: int, capacity: int, backend: CacheFactory = DenseCache) -> KVCache:
-    """A cache of `backend` laid out for `model` (its dtype and device)."""
+    """A cache of `backend` laid out for `model` (its dtype and device). Refused with a
+    SetupError, before anything is allocated, for every `capacity_problems` reason."""
+    raise_if(capacity_problems(model, batch_size, capacity, backend))
     return backend(CacheLayout.of(model), batch_size, capacity)
 
 

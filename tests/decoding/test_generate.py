@@ -157,7 +157,7 @@ def test_sampling_same_seed_same_output(tiny_llama):
 def test_bad_input_fails_before_any_forward(tiny_llama, prompts, max_new, match):
     m = Counting(tiny_llama.model)
     with pytest.raises(SetupError, match=match):
-        generate(m, cache_for(tiny_llama.model, 1, 1000), greedy(), prompts, max_new)
+        generate(m, cache_for(tiny_llama.model, 1, 512), greedy(), prompts, max_new)  # 512: the context
     assert m.calls == 0
 
 

@@ -49,8 +49,10 @@ def test_draft_equal_to_target_accepts_everything(tiny_llama):
     r = generate(m, cache_for(m, 1, 80), SpeculativeDecoder(ModelDrafter(m), gamma=4), [random_ids(7)], 40)
     s = r.stats
     assert s["acceptance_rate"] == 1.0 and s["acceptance_per_position"] == [1.0] * 4
-    # every target call but possibly the last (cut by max_new_tokens) yields gamma + 1 tokens
-    assert s["tokens_per_target_call"] == pytest.approx(5.0)
+    # 1 token from the prefill, then 7 calls of gamma + 1 = 5 tokens and an 8th call cut by
+    # max_new_tokens to the 4 the output had left: statistics count what was emitted
+    assert s["target_calls"] == 8 and s["emitted_tokens"] == 40
+    assert s["tokens_per_target_call"] == pytest.approx(39 / 8)
     assert s["alpha"] == pytest.approx(1.0)
 
 
@@ -60,6 +62,7 @@ def test_alpha_counts_only_positions_on_the_produced_prefix():
                              [1.0, 1.0, 1.0, 1.0],  # all 4 accepted: all count
                              [0.5, 0.5, 0.5, 0.5]])  # frozen row: nothing counts
     st.record(torch.tensor([1, 4, 0]), torch.tensor([True, True, False]), 4, overlaps)
+    st.kept([2, 5, 0])  # the output kept every token of the active rows
     s = st.summary()
     assert s["alpha"] == pytest.approx(5 / 6)  # not (3 + 4) / 8 over every position
     assert s["tokens_per_target_call"] == pytest.approx((2 + 5) / 2)
