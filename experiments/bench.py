@@ -32,7 +32,7 @@ from decodelab.decoding.agreement import compare, dense_logits, first_diff, pool
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.speculative import predicted_speedups
-from decodelab.decoding.text import make_cache
+from decodelab.decoding.text import capacity_problems, make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.report import read_results
 from decodelab.models.reference import hf_generate_timed, hf_model_for
@@ -235,19 +235,34 @@ def batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def run(cfg: DictConfig, out: Path) -> dict:
-    """Check, skip when already done, load, measure, write; returns the summary."""
+def run(cfg: DictConfig, out: Path) -> dict | None:
+    """Check, skip when already done or claimed by a live process, load, measure, write;
+    returns the summary (None when another process is running this run)."""
     workload = check(cfg)  # before any weights load
     run_hash = config_hash(cfg)
-    done = None if cfg.redo else finished_run(out, run_hash)
-    if done is not None:
-        log.info("already done (run %s, finished %s): %s; redo=true reruns it", run_hash, done["finished"],
-                 out / RESULTS)
-        return done
+    with harness.claimed(out) as holder:
+        if holder is not None:
+            log.warning("skipped: %s is claimed by %s (host pid), which is running it; if that process is gone, "
+                        "delete %s and rerun", out, holder, out / harness.CLAIM)
+            return None
+        done = None if cfg.redo else finished_run(out, run_hash)
+        if done is not None:
+            log.info("already done (run %s, finished %s): %s; redo=true reruns it", run_hash, done["finished"],
+                     out / RESULTS)
+            return done
+        return measure_run(cfg, out, workload, run_hash)
+
+
+def measure_run(cfg: DictConfig, out: Path, workload, run_hash: str) -> dict:
+    """Load, measure every prompt, write results.jsonl (atomically); the summary."""
     lm = harness.load_model(cfg)
     factory, decoder = harness.build(cfg, lm)
     hf = hf_model_for(lm) if cfg.compare_transformers else None
     reqs = workload(lm)
+    tok = lm.tokenizer if any(r.ids is None for r in reqs) else None
+    longest = max(len(r.encode(tok)) for r in reqs)  # every batch's cache checked before the first is measured
+    raise_if(capacity_problems(lm.model, min(cfg.batch_size, len(reqs)), longest + cfg.max_new_tokens +
+                               decoder.lookahead, factory))
     log.info("run %s: %s on %d prompts (%s) -> %s", run_hash, describe(cfg)["name"], len(reqs),
              choices().get("workload"), out)
     if cfg.warmup:

@@ -13,8 +13,10 @@ Everything that can be checked before the weights load is checked first.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -28,26 +30,57 @@ from decodelab.models.errors import SetupError, raise_if
 
 log = logging.getLogger("decodelab.generate")
 
+
 def read_prompt(cfg: DictConfig) -> str:
-    """The prompt from `prompt=`, `prompt_file=`, or standard input (`prompt=-` or piped)."""
+    """The prompt from `prompt=`, `prompt_file=` (UTF-8 text), or standard input
+    (`prompt=-` or piped; read once, so the console script's precheck and the run share it)."""
     if cfg.prompt is not None and cfg.prompt_file is not None:
         raise SetupError("give either prompt= or prompt_file=, not both")
     if cfg.prompt_file is not None:
-        path = Path(cfg.prompt_file)
-        if not path.is_file():
-            raise SetupError(f"prompt_file {path} does not exist")
-        return path.read_text()
+        path = Path(cfg.prompt_file).expanduser()
+        if not path.exists() or path.is_dir():
+            raise SetupError(f"prompt_file {path} {'is a directory' if path.is_dir() else 'does not exist'}; "
+                             "give a text file")
+        try:
+            return path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SetupError(f"prompt_file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                             f"{e.start}); convert it, e.g. iconv -f latin1 -t utf-8 {path} > prompt.txt") from None
     if cfg.prompt == "-" or (cfg.prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read()
+        return _stdin()
     if cfg.prompt is None:
         raise SetupError('no prompt: pass prompt="...", prompt_file=PATH, or pipe text to stdin')
     return str(cfg.prompt)
 
 
-def check_request(cfg: DictConfig, text: str) -> None:
-    p = [] if text.strip() else ["the prompt is empty: give some text"]
-    raise_if(p + harness.int_problems(cfg, {"max_new_tokens": 1, "prefill_chunk": 1, "threads": 1},
-                                      nullable=("prefill_chunk", "threads")))
+@functools.cache
+def _stdin() -> str:
+    return sys.stdin.read()
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """`stop=` as stop strings: one string (`stop=night`) or a list of them; `\\n`, `\\t`,
+    `\\r` and `\\\\` in them are a newline, a tab, a carriage return and a backslash (a shell
+    and Hydra pass `stop='["\\n\\n"]'` as backslash and n). An empty one is refused."""
+    items = [stop] if isinstance(stop, str) else list(stop or [])
+    bad = [s for s in items if not isinstance(s, str) or not s]
+    raise_if([f"stop={list(items)!r}: every stop string must be non-empty text (an empty one would end the "
+              "reply before its first token); e.g. stop='[\"\\n\\n\", \"User:\"]'"] if bad else [])
+    return tuple(re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m[1]], s) for s in items)
+
+
+def check_request(cfg: DictConfig, text: str | None = None) -> None:
+    """The prompt (read here unless given), stop strings and sizes: every problem together."""
+    reasons = []
+    text = harness.collect(reasons, lambda: read_prompt(cfg)) if text is None else text
+    if text is not None and not text.strip():
+        reasons.append("the prompt is empty: give some text")
+    harness.collect(reasons, lambda: stop_strings(cfg.stop))
+    raise_if(reasons + harness.int_problems(cfg, {"max_new_tokens": 1, "prefill_chunk": 1, "threads": 1},
+                                            nullable=("prefill_chunk", "threads")))
 
 
 def report(result, out=None) -> None:
@@ -81,7 +114,7 @@ def record(result, conditions: dict) -> dict:
 
 def run(cfg: DictConfig):
     text = read_prompt(cfg)
-    harness.gather(lambda: check_request(cfg, text), lambda: harness.check(cfg))  # before any weights load
+    check(cfg)  # before any weights load
     lm = harness.load_model(cfg)
     log.info("model: %s (%s, %s)", lm.name, lm.model.dtype, lm.model.device)
     factory, decoder = harness.build(cfg, lm)
@@ -93,7 +126,7 @@ def run(cfg: DictConfig):
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
     stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream and not cfg.json else None
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
-                      stop=tuple(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
+                      stop=stop_strings(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
                       t_start=t0, tokenize_s=tokenize_s)
     emit(cfg, result, harness.run_conditions(lm.model), streamed=stream is not None)
     return result
@@ -113,7 +146,12 @@ def emit(cfg: DictConfig, result, conditions: dict, streamed: bool) -> None:
 
 
 # conf/generate.yaml: config.yaml with Hydra's logs on stderr and no run directory
-main, cli = harness.entry_points("generate", lambda cfg, out: run(cfg), harness.check)
+def check(cfg: DictConfig) -> None:
+    """The request and the setup, every problem together, before any weights load."""
+    harness.gather(lambda: check_request(cfg), lambda: harness.check(cfg))
+
+
+main, cli = harness.entry_points("generate", lambda cfg, out: run(cfg), check)
 
 
 if __name__ == "__main__":

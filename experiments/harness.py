@@ -15,11 +15,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -250,6 +252,46 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+CLAIM = ".claim"
+
+
+@contextlib.contextmanager
+def claimed(out: Path):
+    """Claim the run directory `out` while the body runs (`out/.claim`, created exclusively,
+    holding "host pid"; removed after): yields None when this process holds it, else the
+    holder of a claim whose process is alive (so two identical sweeps into one directory
+    run each job once). A claim left by a process that is gone (kill -9) is taken over."""
+    lock, me = out / CLAIM, f"{socket.gethostname()} {os.getpid()}"
+    out.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            with open(lock, "x") as fh:
+                fh.write(me)
+            break
+        except FileExistsError:
+            holder = lock.read_text().strip() if lock.is_file() else ""
+            host, _, pid = holder.partition(" ")
+            if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
+                yield holder or "a process that is starting"
+                return
+            log.warning("%s: taking over the claim of process %s, which is gone", lock, pid)
+            lock.unlink(missing_ok=True)
+    try:
+        yield None
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def hydra_app(config_name: str, run):

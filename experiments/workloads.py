@@ -110,16 +110,43 @@ def _first_exchange(record: dict) -> dict | None:
     return None
 
 
+def jsonl_problems(path: Path, most: int = 5) -> list[str]:
+    """What is wrong with a JSONL workload file, by line (the first `most` bad lines),
+    without loading it: every line a JSON object with non-empty `prompt` text and an
+    optional `reference` text; at least one record."""
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        return [f"{path} is not UTF-8 text (byte offset {e.start}); save it as UTF-8"]
+    except OSError as e:
+        return [f"{path}: cannot be read ({e.strerror})"]
+    p, records = [], 0
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except ValueError as e:
+            p.append(f"{path}:{i}: not JSON ({e}); each line must be one JSON object")
+            continue
+        records += isinstance(rec, dict)
+        if rec is not None and not isinstance(rec, dict):
+            p.append(f"{path}:{i}: a {type(rec).__name__}, not a JSON object like {{\"prompt\": \"...\"}}")
+        elif rec is not None and not (isinstance(rec.get("prompt"), str) and rec["prompt"].strip()):
+            p.append(f"{path}:{i}: no `prompt` text (fields: {sorted(rec)}); each record needs a non-empty prompt")
+        elif rec is not None and not isinstance(rec.get("reference", ""), (str, type(None))):
+            p.append(f"{path}:{i}: `reference` must be text or null, got {type(rec['reference']).__name__}")
+    if not records and not p:
+        p.append(f"{path} holds no records; write one JSON object per line, e.g. {{\"prompt\": \"Hello\"}}")
+    return p[:most] + ([f"{path}: {len(p) - most} more bad lines"] if len(p) > most else [])
+
+
 def load_jsonl(path: str | Path) -> list[Request]:
-    """Requests from a JSONL file with `prompt` (and optional `reference`), via datasets."""
+    """Requests from a JSONL file with `prompt` (and optional `reference`), via datasets;
+    the file is checked first (`jsonl_problems`)."""
     import datasets
 
     path = Path(path)
-    if not path.is_file():
-        raise SetupError(f"workload file {path} does not exist")
+    raise_if([f"workload file {path} does not exist"] if not path.is_file() else jsonl_problems(path))
     ds = datasets.load_dataset("json", data_files=str(path), split="train")
-    if "prompt" not in ds.column_names:
-        raise SetupError(f"{path} has no `prompt` field (fields: {ds.column_names})")
     refs = ds["reference"] if "reference" in ds.column_names else [None] * len(ds)
     return [Request(p, r) for p, r in zip(ds["prompt"], refs)]
 
@@ -199,6 +226,8 @@ class JsonlFile:
             p.append("workload=jsonl needs a file: add workload.path=PATH (a JSONL file with `prompt` fields)")
         elif not Path(path).expanduser().is_file():
             p.append(f"workload.path {path} is not a file; give an existing JSONL file")
+        else:  # refused before any weights load, by file and line
+            p += jsonl_problems(Path(path).expanduser())
         if n is not None and not (isinstance(n, int) and n >= 1):
             p.append(f"workload.n must be null (all records) or an int >= 1, got {n!r}")
         raise_if(p)
