@@ -54,8 +54,10 @@ class SamplingDecoder:
         return choose(logits, self.params, self.generator)
 
     @torch.no_grad()
-    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None) -> list[list[int]]:
-        """Feed last [B] at each row's next position; one new token per row."""
+    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
+             left: int | None = None) -> list[list[int]]:
+        """Feed last [B] at each row's next position; one new token per row (`left`, the
+        most tokens any row may still emit, matters only to decoders that look ahead)."""
         positions = cache.lengths[:, None].to(model.device)  # [B, 1]
         logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]
         return [[t] for t in choose(logits, self.params, self.generator).tolist()]

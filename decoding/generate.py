@@ -95,6 +95,9 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
         p.append(f"{len(prompts)} prompts for a cache built for batch {cache.batch_size}")
     if stop and tokenizer is None:
         p.append("stop strings need a tokenizer to decode text")
+    if any(not isinstance(s, str) or not s for s in stop):
+        p.append(f"stop strings must be non-empty text, got {list(stop)!r}: an empty one would end every row "
+                 "before its first token")
     p += decoder.problems(model, cache)
     raise_if(p)
 
@@ -167,11 +170,12 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
 
     The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
     end a row at the text before them; `on_token` streams tokens as they come."""
-    check_inputs(model, cache, decoder, prompts, max_new_tokens, tuple(stop), tokenizer)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string, not its letters
+    check_inputs(model, cache, decoder, prompts, max_new_tokens, stop, tokenizer)
     t0 = t_start if t_start is not None else time.perf_counter()
     cache.reset()
     decoder.begin(model.device, prompts, cache.capacity)
-    rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), tuple(stop), tokenizer, on_token, t0)
+    rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), stop, tokenizer, on_token, t0)
     t_prefill = time.perf_counter()
     logits = prefill(model, cache, prompts, prefill_chunk)
     sync(model.device)
@@ -180,7 +184,8 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     for b, t in enumerate(last.tolist()):
         rows.add(b, [t])
     while not rows.done():
-        produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason])
+        left = max(max_new_tokens - len(t) for t, r in zip(rows.tokens, rows.reason) if r is None)
+        produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason], left=left)
         decoder.output_kept([rows.add(b, toks) for b, toks in enumerate(produced)])  # stats count the output
         last = torch.tensor([p[-1] for p in produced], device=model.device)
     text = None

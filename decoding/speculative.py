@@ -211,10 +211,13 @@ class SpeculativeDecoder:
         return choose(logits, self.params, self.generator)
 
     @torch.no_grad()
-    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None) -> list[list[int]]:
-        """One draft-and-verify round; rows in `done` are frozen (their caches do not grow)."""
+    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
+             left: int | None = None) -> list[list[int]]:
+        """One draft-and-verify round; rows in `done` are frozen (their caches do not grow).
+        With `left` tokens at most still to emit, no more than `left - 1` are drafted (a round
+        emits the accepted drafts and one more): drafting past the output is wasted work."""
         t0 = time.perf_counter()
-        G, B = self.gamma, last.shape[0]
+        G, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)
         draft, q = self.drafter.propose(last, G, self.params, self.generator)  # [B, G], [B, G, V]
         sync(model.device)  # the split draft / verify / other times the work, not its launch
@@ -240,7 +243,7 @@ class SpeculativeDecoder:
         self.drafter.commit(n_cpu, nxt, active)
         self._stats.record(n_cpu, active, G, alpha)
         out = [draft[b, : n_cpu[b]].tolist() + [int(nxt[b])] for b in range(B)]
-        self._adapt(n_cpu, active)
+        self._adapt(n_cpu, active, G)
         t3 = time.perf_counter()
         s = self._stats
         s.draft_s, s.verify_s, s.other_s = s.draft_s + t1 - t0, s.verify_s + t2 - t1, s.other_s + t3 - t2
@@ -252,10 +255,10 @@ class SpeculativeDecoder:
         at EOS, a stop string or max_new_tokens): `tokens_per_target_call` counts these."""
         self._stats.kept(kept)
 
-    def _adapt(self, n: torch.Tensor, active: torch.Tensor) -> None:
+    def _adapt(self, n: torch.Tensor, active: torch.Tensor, drafted: int) -> None:
         if not self.adaptive or not bool(active.any()):
             return
-        frac = (n[active].float() / self.gamma).mean().item()
+        frac = (n[active].float() / drafted).mean().item()
         if frac == 1.0:
             self.gamma = min(self.gamma + 1, self.gamma_max)
         elif frac < 0.5:

@@ -57,6 +57,22 @@ def test_statistics_count_emitted_tokens_when_gamma_exceeds_the_output(tiny_llam
     assert s["tokens_per_target_call"] == 3  # 1 token from the prefill + 3 kept from the one call, not 101
     assert r.summary()["new_tokens"] == 4 == s["emitted_tokens"]
     assert s["acceptance_rate"] == 1.0  # the drafter's quality: every verified draft position counts
+    assert s["mean_gamma"] == 2  # 3 tokens left after the first: 2 drafts + the verify's own token
+    assert r.tokens == generate(m, cache_for(m, 1, 120), greedy(), [random_ids(7)], 4).tokens
+
+
+def test_library_stop_strings_one_string_is_one_stop_and_empty_is_refused(tiny_llama):
+    class Letters:  # a tokenizer stand-in: id -> one letter
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    m, tok, ids = tiny_llama.model, Letters(), random_ids(7)
+    free = generate(m, cache_for(m, 1, 64), greedy(), [ids], 40, tokenizer=tok).text[0]
+    word = free[3:5]  # a plain string: one stop string, not its letters
+    r = generate(m, cache_for(m, 1, 64), greedy(), [ids], 40, tokenizer=tok, stop=word)
+    assert r.finish_reasons == ["stop"] and r.text[0] == free[: free.index(word)]
+    with pytest.raises(SetupError, match="non-empty text"):
+        generate(m, cache_for(m, 1, 64), greedy(), [ids], 4, tokenizer=tok, stop=[""])
 
 
 def test_statistics_count_tokens_cut_by_eos(tiny_gemma):
