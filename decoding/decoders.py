@@ -4,8 +4,10 @@ A decoder declares what it is as class attributes: `needs_drafter`, `lookahead`
 (positions it writes past the output) and `lossless_at_temperature_0`. It has
 `problems(model, cache)` (checked when a setup is built), `begin(device)`
 (seeds its generator; called once per generation), `start(logits)` (the first token
-from the prefill logits) and `step(model, cache, last) -> list[list[int]]` (tokens
-produced per row; plain decoding produces one, speculative decoding may produce more).
+from the prefill logits) and `step(model, cache, last, done, left) -> list[list[int]]`
+(tokens produced per row; plain decoding produces one, speculative decoding may produce
+more; rows in `done` are frozen, and `left`, the most any row may still emit, lets a
+decoder that looks ahead stop drafting where the output ends).
 The loop owns stopping: after each step it calls `output_kept(kept)` with how many of
 each row's produced tokens the output kept (fewer at EOS, a stop string or
 max_new_tokens), so that statistics count what was emitted.
