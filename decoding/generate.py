@@ -186,7 +186,8 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     while not rows.done():
         left = max(max_new_tokens - len(t) for t, r in zip(rows.tokens, rows.reason) if r is None)
         produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason], left=left)
-        decoder.output_kept([rows.add(b, toks) for b, toks in enumerate(produced)])  # stats count the output
+        kept = [rows.add(b, toks) for b, toks in enumerate(produced)]
+        getattr(decoder, "output_kept", lambda kept: None)(kept)  # stats count the output
         last = torch.tensor([p[-1] for p in produced], device=model.device)
     text = None
     if tokenizer is not None:

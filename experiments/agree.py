@@ -127,13 +127,15 @@ def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
     harness.collect(reasons, lambda: instantiate_unwrapped(cfg.workload))
     groups, values, p = split_overrides(overrides)
     reasons += p
-    known = [n for n in (cfg.setups if OmegaConf.is_list(cfg.setups) else []) if n in harness.group_options("setup")]
+    listed = cfg.setups if OmegaConf.is_list(cfg.setups) else []
+    known = [n for n in listed if n in harness.group_options("setup")]
     composed = {}
     for name in dict.fromkeys(known):
         composed[name], p = _setup_problems(name, groups, values)
         reasons += p
     for o in values:  # a plain key=value Hydra has already matched against agree's own groups
-        if (o.is_add() or o.is_force_add()) and known and not any(has_key(c, o.key_or_group) for c in composed.values()):
+        added = o.is_add() or o.is_force_add()
+        if added and known and not any(has_key(c, o.key_or_group) for c in composed.values()):
             reasons.append(f"{o.input_line}: no chosen setup has the option {o.key_or_group}")
     raise_if(reasons)
     return composed

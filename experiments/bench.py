@@ -242,8 +242,8 @@ def run(cfg: DictConfig, out: Path) -> dict | None:
     run_hash = config_hash(cfg)
     with harness.claimed(out) as holder:
         if holder is not None:
-            log.warning("skipped: %s is claimed by %s (host pid), which is running it; if that process is gone, "
-                        "delete %s and rerun", out, holder, out / harness.CLAIM)
+            log.warning("skipped: %s is claimed by %s (host pid), which is measuring it now; its results "
+                        "land there", out, holder)
             return None
         done = None if cfg.redo else finished_run(out, run_hash)
         if done is not None:

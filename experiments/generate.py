@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
@@ -46,6 +46,8 @@ def read_prompt(cfg: DictConfig) -> str:
         except UnicodeDecodeError as e:
             raise SetupError(f"prompt_file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                              f"{e.start}); convert it, e.g. iconv -f latin1 -t utf-8 {path} > prompt.txt") from None
+        except OSError as e:
+            raise SetupError(f"prompt_file {path} cannot be read ({e.strerror}); check its permissions") from None
     if cfg.prompt == "-" or (cfg.prompt is None and not sys.stdin.isatty()):
         return _stdin()
     if cfg.prompt is None:
@@ -65,7 +67,7 @@ def stop_strings(stop) -> tuple[str, ...]:
     """`stop=` as stop strings: one string (`stop=night`) or a list of them; `\\n`, `\\t`,
     `\\r` and `\\\\` in them are a newline, a tab, a carriage return and a backslash (a shell
     and Hydra pass `stop='["\\n\\n"]'` as backslash and n). An empty one is refused."""
-    items = [stop] if isinstance(stop, str) else list(stop or [])
+    items = list(stop) if isinstance(stop, (list, tuple, ListConfig)) else [] if stop is None else [stop]
     bad = [s for s in items if not isinstance(s, str) or not s]
     raise_if([f"stop={list(items)!r}: every stop string must be non-empty text (an empty one would end the "
               "reply before its first token); e.g. stop='[\"\\n\\n\", \"User:\"]'"] if bad else [])

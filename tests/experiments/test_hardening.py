@@ -132,4 +132,31 @@ def test_two_identical_sweeps_into_one_directory_run_each_job_once(tmp_path, pro
     assert all(p.returncode == 0 for p in procs), logs
     measured = sum(log.count("] - run ") for log in logs)  # bench logs "run HASH: ..." when it measures
     assert measured == 2, logs  # each job once: the other process skipped it (claimed) or found it done
-    assert len(load_runs(sweep)) == 2 and not list(sweep.rglob(".claim"))
+    assert len(load_runs(sweep)) == 2
+
+
+def test_a_claim_held_by_a_live_process_is_respected_and_ends_with_it(tmp_path):
+    """harness.claimed: a lock another process holds makes the run skip; once that
+    process is killed (kill -9) the claim is free again; two claims in one process do not
+    both win either."""
+    import signal
+    import time
+
+    from decodelab.experiments.harness import CLAIM, claimed
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('elsewhere 42');"
+        " f.flush(); print('held', flush=True); time.sleep(600)"), str(tmp_path / CLAIM)], stdout=subprocess.PIPE,
+        text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with claimed(tmp_path) as who:
+        assert who == "elsewhere 42"  # skipped, and told who measures it
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    time.sleep(0.1)
+    with claimed(tmp_path) as who:
+        assert who is None  # the dead process's claim is gone with it
+        with claimed(tmp_path) as again:
+            assert again is not None  # a second claim on the same run does not win
+    with claimed(tmp_path) as who:
+        assert who is None  # released when the body ended
