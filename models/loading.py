@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -255,6 +256,7 @@ def _convert(gguf: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_writable(out.parent)
+    _drop_leftovers(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -273,6 +275,26 @@ def _convert(gguf: Path, out: Path) -> Path:
     (tmp / RECORD).write_text(json.dumps({"gguf": str(gguf.resolve()), "files": files}, indent=1))  # last
     _swap_in(tmp, out)
     return out
+
+
+def _drop_leftovers(out: Path) -> None:
+    """Delete the `.tmp<pid>` / `.old<pid>` folders beside `out` that a killed conversion
+    left (each a full copy of the weights), where that process is gone."""
+    for d in out.parent.glob(f"{out.name}.*"):
+        m = re.fullmatch(re.escape(out.name) + r"\.(?:tmp|old)(\d+)", d.name)
+        if m and d.is_dir() and not _pid_alive(int(m[1])):
+            log.info("removing %s, left by a conversion that was killed", d)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    return True
 
 
 def _check_writable(folder: Path) -> None:

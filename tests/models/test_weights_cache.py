@@ -151,6 +151,24 @@ def test_a_killed_conversion_leaves_nothing_that_looks_valid(fake_gguf, monkeypa
     assert torch.equal(logits(load_gguf(fake_gguf.path, device="cpu").model), logits(fake_gguf.reference))
 
 
+def test_folders_left_by_killed_conversions_are_removed_by_the_next_one(fake_gguf):
+    import subprocess
+    import sys
+
+    load_gguf(fake_gguf.path, device="cpu")
+    out = next(p for p in (cache_root() / "converted").iterdir() if p.is_dir())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a process that has ended
+    left = [out.with_name(f"{out.name}.tmp{dead}"), out.with_name(f"{out.name}.old{dead}")]
+    mine = out.with_name(f"{out.name}.tmp{os.getppid()}")  # a live process's conversion in progress
+    for d in left + [mine]:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 10)
+    (out / "model.safetensors").unlink()  # the next load converts again
+    load_gguf(fake_gguf.path, device="cpu")
+    assert not any(d.exists() for d in left) and mine.exists()
+
+
 def unwritable_under_a_file(tmp_path: Path) -> Path:
     (tmp_path / "a-file").write_text("")
     return tmp_path / "a-file" / "cache"
