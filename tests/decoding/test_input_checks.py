@@ -122,3 +122,15 @@ def test_free_memory_on_cuda_counts_what_torch_holds_unused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 300)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100)
     assert text.free_bytes("cuda:0") == 1200
+
+
+def test_a_draft_model_with_a_shorter_context_is_refused_naming_the_draft():
+    from decodelab.models.loading import random_model
+
+    shape = {"family": "llama", "vocab_size": 256, "dim": 32, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
+             "intermediate_size": 64, "rope": {"theta": 10000.0}}
+    target = random_model({**shape, "n_layers": 2, "max_seq_len": 512}).model
+    draft = random_model({**shape, "n_layers": 1, "max_seq_len": 64}).model
+    spec = SpeculativeDecoder(ModelDrafter(draft, name="small"), gamma=2)
+    with pytest.raises(SetupError, match="draft small: a cache of 200 tokens .* context of 64 tokens"):
+        generate(target, make_cache(target, 1, 200), spec, [[1, 2, 3] * 30], 50)
