@@ -16,8 +16,8 @@ import torch
 from decodelab.cache.dense import DenseCache
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs, sample
-from decodelab.decoding.text import capacity_problems, make_cache
-from decodelab.models.errors import raise_if
+from decodelab.decoding.text import make_cache
+from decodelab.models.errors import SetupError
 
 
 class EarlyExit(torch.nn.Module):
@@ -65,9 +65,10 @@ class ModelDrafter:
     def begin(self, prompts: list[list[int]], capacity: int) -> None:
         """A draft cache as large as the target's, prefilled with the prompts (the shared prefill);
         one the draft model cannot hold is refused naming the draft, before any prefill."""
-        raise_if([f"draft {self.name}: {p}" for p in capacity_problems(self.model, len(prompts), capacity,
-                                                                         self.cache_factory)])
-        self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
+        try:  # make_cache checks before it allocates; its reasons are the draft's
+            self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
+        except SetupError as e:
+            raise SetupError([f"draft {self.name}: {r}" for r in e.reasons]) from None
         if self.cache.rollback_limit < 1:
             raise ValueError("the draft cache must be able to roll back")
         prefill(self.model, self.cache, prompts)
