@@ -108,3 +108,44 @@ def hf_generate_timed(hf, ids: list[int], new_tokens: int, eos: tuple = ()) -> t
     if hf.device.type == "cuda":
         torch.cuda.synchronize(hf.device)
     return out[0, len(ids):].tolist(), stamps.times
+
+
+def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int | list[int], eos: tuple = (),
+                      **options) -> dict:
+    """transformers' own continuous batching (`hf.generate_batch`: paged cache + scheduler), greedy, on `prompts`.
+
+    `max_new_tokens` is one value for all requests: `generate_batch` takes a single one (only the manager's
+    `add_request` takes it per request), so a list of different values is refused with a ValueError. EOS is
+    ignored when `eos` is empty (else `eos` ends a request, the EOS token kept, as in `generate`). `options` are
+    `ContinuousBatchingConfig` fields (`page_size`, `num_blocks`, `max_batch_tokens`, `scheduler_type`, ...);
+    `num_blocks` defaults to what the run needs, since transformers would otherwise size the cache to ~90% of
+    free device memory (of host RAM on the CPU: 20+ s to allocate).
+
+    Returns {"tokens": [B][n_b] generated ids in the order of `prompts` (prompt excluded), "wall_s": seconds
+    of the `generate_batch` call (manager set-up, warmup and tear-down included), "ttft_s": [B] seconds from
+    the call's start to each request's first token, "token_times": [B][n_b] seconds from the call's start to
+    each token}. The times come from `GenerationOutput.timestamps` (`record_timestamps=True`): absolute
+    `time.perf_counter()` stamps taken when the scheduler thread receives each token, made relative here."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    news = set(max_new_tokens) if isinstance(max_new_tokens, list) else {max_new_tokens}
+    if len(news) != 1:
+        raise ValueError(f"hf_generate_batch: transformers' generate_batch takes one max_new_tokens for all requests, "
+                         f"got {sorted(news)}")
+    new = news.pop()
+    page = options.get("page_size", ContinuousBatchingConfig.page_size)
+    options.setdefault("num_blocks", sum(-(-(len(p) + new) // page) for p in prompts))  # blocks of `page` tokens
+    gen = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=list(eos) or -1)  # -1: no EOS
+    t0 = time.perf_counter()
+    out = hf.generate_batch(prompts, generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(
+        **options), record_timestamps=True)
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize(hf.device)
+    wall = time.perf_counter() - t0
+    res = list(out.values())  # in the order of the inputs (generate_batch reorders them)
+    if [r.prompt_ids for r in res] != [list(p) for p in prompts] or any(r.error for r in res):
+        raise RuntimeError(f"hf_generate_batch: {len(res)} of {len(prompts)} requests came back, errors: "
+                           f"{[r.error for r in res if r.error]}")
+    times = [[s - t0 for s in r.timestamps] for r in res]
+    return {"tokens": [list(r.generated_tokens) for r in res], "wall_s": wall,
+            "ttft_s": [t[0] if t else None for t in times], "token_times": times}
