@@ -3,10 +3,14 @@
 A cache is one object per model; storage layout and the attention that reads it live
 together, because the layout decides the kernel. Per forward the model calls:
 
-`prepare(positions, valid=None)`, once, before the first layer:
+`prepare(positions, valid=None, rows=None)`, once, before the first layer:
 - receives `positions` [B, T] (int, any device): the position of every new token, rows
   in the cache's batch order; and `valid` [B, T] (bool, or None for all True): False
   marks padding, which is never cached as a key of any valid query;
+- with `rows` [b] (distinct cache rows), the forward covers only those rows: positions
+  and valid are [b, T] and every later [B, ...] below reads [b, ...] (a serving engine
+  prefills one request's row while the others wait). A backend that cannot run a
+  forward over a subset refuses it (`refusal`);
 - checks that the batch has `batch_size` rows and that every position fits `capacity`
   (else SetupError, and the cache is unchanged);
 - sets `lengths` [B]: each row's last valid position + 1 (a row with no valid token
@@ -29,8 +33,11 @@ Between forwards, `read`, `truncate`, `reset` and `nbytes` serve decoders and ex
 Whatever else a higher layer needs from a backend is a capability declared here, with a
 default that works for every backend or refuses with the reason (`refusal`: a SetupError
 naming the backend): `static_view()` (fixed-shape storage for a compiled decode step),
-`fill_random(n_tokens, seed)` (random K/V for kernel checks and benchmarks) and
-`read_bytes(context)` (bytes one decode step reads). Nothing outside `cache/` reads a
+`fill_random(n_tokens, seed)` (random K/V for kernel checks and benchmarks),
+`read_bytes(context)` (bytes one decode step reads), `release(row)` (forget one row
+and free its storage for another sequence while the others keep theirs) and
+`row_bytes(tokens)` (what one row of that many tokens holds: a serving engine's KV
+budget counts it). Nothing outside `cache/` reads a
 backend's private state or asks its type.
 
 Before anything is allocated, `planned_bytes(factory, layout, batch_size, capacity)`
@@ -145,6 +152,10 @@ class KVCache:
     lossy: bool = False
     #: leading positions a windowed layer keeps visible (StreamingLLM attention sinks)
     sink_tokens: int = 0
+    #: whether `prepare(..., rows=...)` and `release(row)` work (a serving engine needs both),
+    #: and, where not, why: a declared capability, checked when an engine is built
+    serves_row_subsets: bool = False
+    row_subset_reason: str = "its storage is planned for the whole batch at once"
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, **options) -> int:
@@ -169,21 +180,44 @@ class KVCache:
         self._qpos: torch.Tensor | None = None  # [B, T] positions of the current forward
 
     # -- called by the model -------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Start a forward over positions [B, T]; `valid` [B, T] False marks padding.
-        Each row's length becomes its last valid position + 1 (rows with none keep theirs)."""
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None,
+                rows: list[int] | torch.Tensor | None = None) -> None:
+        """Start a forward over positions [B, T] (or [b, T] of the cache `rows` [b]);
+        `valid` False marks padding. Each row's length becomes its last valid position + 1
+        (rows with none keep theirs)."""
         pos = positions.detach().cpu()
-        if pos.shape[0] != self.batch_size:
-            raise SetupError(f"batch of {pos.shape[0]} rows for a cache built for {self.batch_size}; "
-                             "build the cache with the batch size you run")
+        sel = self._selection(rows, pos.shape[0])
         top = int(pos.max())
         if top >= self.capacity:
             raise SetupError(f"position {top} does not fit in a cache of {self.capacity} tokens per row; "
                              "build the cache with a larger capacity (prompt + max_new_tokens)")
         ok = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.detach().cpu()
-        last = torch.where(ok, pos, -1).max(dim=1).values + 1  # [B]
-        self.lengths = torch.where(last > 0, last, self.lengths)
-        self._qpos, self._valid, self._masks = pos, ok, {}
+        last = torch.where(ok, pos, -1).max(dim=1).values + 1  # [b]
+        held = self.lengths if sel is None else self.lengths[sel]
+        new = torch.where(last > 0, last, held)
+        if sel is None:
+            self.lengths = new
+        else:
+            self.lengths = self.lengths.clone()
+            self.lengths[sel] = new
+        self._qpos, self._valid, self._masks, self._sel = pos, ok, {}, sel
+
+    def _selection(self, rows, n: int) -> torch.Tensor | None:
+        """`rows` as a [b] tensor of distinct cache rows for a forward of n rows (None: all
+        rows, which n must equal); refused by backends that cannot serve a subset."""
+        if rows is None:
+            if n != self.batch_size:
+                raise SetupError(f"batch of {n} rows for a cache built for {self.batch_size}; "
+                                 "build the cache with the batch size you run")
+            return None
+        sel = torch.as_tensor(rows, dtype=torch.long).cpu().reshape(-1)
+        if sel.numel() != n or sel.unique().numel() != n or bool(((sel < 0) | (sel >= self.batch_size)).any()):
+            raise SetupError(f"rows {sel.tolist()} must name {n} distinct rows of the {self.batch_size} this "
+                             "cache holds, one per row of the forward")
+        if not self.serves_row_subsets:
+            raise self.refusal("run a forward over a subset of its rows (continuous batching)",
+                               self.row_subset_reason)
+        return None if n == self.batch_size and bool((sel == torch.arange(n)).all()) else sel
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store the valid new k, v [B, Hkv, T, D] at the positions `prepare` received and
@@ -201,13 +235,14 @@ class KVCache:
         raise NotImplementedError
 
     # -- called by prefill: prefix caching (backends that share prompt blocks override) --
-    def reuse_prefix(self, prompts: list[list[int]]) -> list[int]:
-        """Before prefill (rows empty): map cached prompt prefixes into each row and return
-        how many tokens of each prompt are already cached (at most len - 1, so the last
-        prompt position is always computed). Default: no prefix cache."""
+    def reuse_prefix(self, prompts: list[list[int]], rows: list[int] | None = None) -> list[int]:
+        """Before prefill (rows empty): map cached prompt prefixes into each row (every row
+        in order, or `rows`) and return how many tokens of each prompt are already cached
+        (at most len - 1, so the last prompt position is always computed). Default: no
+        prefix cache."""
         return [0] * len(prompts)
 
-    def remember_prefix(self, prompts: list[list[int]]) -> None:
+    def remember_prefix(self, prompts: list[list[int]], rows: list[int] | None = None) -> None:
         """After prefill: offer each row's prompt blocks for reuse. Default: nothing."""
 
     # -- called by decoders --------------------------------------------------------
@@ -256,6 +291,20 @@ class KVCache:
         for layer in range(lay.n_layers):
             q, k, v = (torch.randn(shape, generator=g, device=lay.device).to(lay.dtype) for _ in range(3))
             self.attend(layer, q, k, v)
+
+    def release(self, row: int) -> None:
+        """Forget one row and free its storage for the next sequence; the other rows keep
+        theirs (a serving engine reuses the row for a new request). Refused by a backend
+        that does not declare `serves_row_subsets`."""
+        if not self.serves_row_subsets:
+            raise self.refusal("release one row for a new sequence (continuous batching)", self.row_subset_reason)
+        self.lengths = self.lengths.clone()
+        self.lengths[row] = 0
+
+    def row_bytes(self, tokens: int) -> int:
+        """K/V bytes one row holding `tokens` tokens takes: what a serving engine's KV budget
+        counts per request. Default: the formula, tokens x bytes_per_token."""
+        return tokens * self.layout.bytes_per_token()
 
     def read_bytes(self, context: int) -> int:
         """K/V bytes one decode step reads when every row holds `context` tokens: each

@@ -19,6 +19,8 @@ from decodelab.cache.kernels.paged import dense_as_pool
 class DenseCache(KVCache):
     """One [B, Hkv, capacity, D] K and V buffer per layer; slot p holds position p."""
 
+    serves_row_subsets = True  # a row is its own slice of every buffer
+
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
         super().__init__(layout, batch_size, capacity)
         shape = (batch_size, layout.n_kv_heads, capacity, layout.head_dim)
@@ -26,23 +28,34 @@ class DenseCache(KVCache):
         self.k = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [B, Hkv, S, D] each
         self.v = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
 
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        super().prepare(positions, valid)
-        pos = self._qpos
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
+        super().prepare(positions, valid, rows)
+        pos, sel = self._qpos, self._sel
         start = int(pos[0, 0])
         same = bool((pos == start + torch.arange(pos.shape[1])).all())
         self._contiguous = start if same else None  # all rows write one slice
-        self._rows = torch.arange(self.batch_size, device=self.layout.device)[:, None]  # [B, 1]
-        self._dev_pos = positions.to(self.layout.device)
+        dev = self.layout.device
+        self._rows = (torch.arange(self.batch_size) if sel is None else sel).to(dev)[:, None]  # [b, 1] cache rows
+        # the forward's rows as a slice of the buffers (all rows, or a consecutive run), else None
+        run = sel is None or bool((sel == sel[0] + torch.arange(len(sel))).all())
+        self._slice = slice(None) if sel is None else (slice(int(sel[0]), int(sel[0]) + len(sel)) if run else None)
+        self._dev_pos = positions.to(dev)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._contiguous is not None:
-            s = self._contiguous
-            self.k[layer][:, :, s:s + k.shape[2]] = k
-            self.v[layer][:, :, s:s + v.shape[2]] = v
-        else:  # [B, T] advanced index around a slice -> values laid out [B, T, Hkv, D]
+        if self._contiguous is not None and self._slice is not None:
+            s, r = self._contiguous, self._slice
+            self.k[layer][r, :, s:s + k.shape[2]] = k
+            self.v[layer][r, :, s:s + v.shape[2]] = v
+        else:  # [b, T] advanced index around a slice -> values laid out [b, T, Hkv, D]
             self.k[layer][self._rows, :, self._dev_pos] = k.transpose(1, 2)
             self.v[layer][self._rows, :, self._dev_pos] = v.transpose(1, 2)
+
+    def _held(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Slots [lo, hi) of the forward's rows of one buffer [B, Hkv, S, D] (a view, or a
+        gather when the rows are not consecutive)."""
+        if self._slice is not None:
+            return t[self._slice, :, lo:hi]
+        return t[:, :, lo:hi].index_select(0, self._rows[:, 0])
 
     def _span(self, window: int | None) -> tuple[int, int, torch.Tensor | None, bool]:
         """Slots [lo, hi) this forward reads for a window, their mask, and whether that
@@ -64,7 +77,7 @@ class DenseCache(KVCache):
         slots this forward's window reads."""
         self._write(layer, k, v)
         lo, hi, mask, causal = self._span(self.layout.windows[layer])
-        keys, values = self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
+        keys, values = self._held(self.k[layer], lo, hi), self._held(self.v[layer], lo, hi)
         return reference_attention(q, keys, values, mask, self.layout.softmax_scale, self.layout.softcap, causal)
 
     def read(self, layer, row):

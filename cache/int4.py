@@ -152,6 +152,9 @@ class QuantizedCache(KVCache):
     of up to `rollback` tokens, sees a position exact (see the module docstring)."""
 
     lossy = True
+    serves_row_subsets = False  # declared on the contract (cache/base.py)
+    row_subset_reason = ("its quantize/flush plan covers every row of the batch in each forward; use the dense "
+                         "or paged backend to serve requests")
     #: a forward of more query columns attends in chunks of this many, each reading only the
     #: keys it needs: a long prefill then costs about the causal T^2 / 2 scores, not the
     #: T x 2T of one mask over every dequantized block and every exact token
@@ -232,11 +235,11 @@ class QuantizedCache(KVCache):
         return max(0, (q + 1 - self.residual) // self.flush) * self.flush
 
     # -- called by the model -------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
         """Start a forward (each row must continue at its length, right padding only) and
         plan it: what every layer stores, quantizes, reads (per window) and drops."""
         old = self.lengths
-        super().prepare(positions, valid)
+        super().prepare(positions, valid, rows)
         pos, ok = self._qpos, self._valid  # [B, T]
         T = pos.shape[1]
         n = self.lengths - old  # [B] new tokens per row

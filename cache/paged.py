@@ -32,7 +32,7 @@ from decodelab.cache.base import (CacheLayout, KVCache, StaticView, attention_ma
                                   reference_attention)
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
-from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 
 
 class BlockAllocator:
@@ -141,6 +141,8 @@ class _Reads:
 class PagedCache(KVCache):
     """Block-pool KV cache with prefix sharing and copy-on-write."""
 
+    serves_row_subsets = True  # a row is its block table: released blocks return to the free list
+
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
                  num_blocks: int | None = None, memory_budget_mb: float | None = None,
                  prefix_caching: bool = True, impl: str = "auto"):
@@ -180,12 +182,14 @@ class PagedCache(KVCache):
         return n * block_bytes
 
     # -- called by the model -------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
         """Start a forward: give every valid position a private block slot (allocated,
         or copied where shared) and build this forward's write indices. Raises
-        SetupError, with nothing changed, when the pool cannot supply the blocks."""
+        PoolExhausted (a SetupError), with nothing changed, when the pool cannot supply
+        the blocks."""
         before = self.lengths
-        super().prepare(positions, valid)
+        super().prepare(positions, valid, rows)
+        self._srows = torch.arange(self.batch_size) if self._sel is None else self._sel  # [b] cache rows
         try:
             self._claim(*self._targets())
         except SetupError:
@@ -199,14 +203,15 @@ class PagedCache(KVCache):
         """The Triton kernel's per-forward arguments: block table [B, M], query positions
         [B, T] and lengths [B] on the device, and its split-K count for the longest row."""
         dev, hkv = self.layout.device, self.layout.n_kv_heads
-        splits = split_count(self.batch_size * hkv, int(self.lengths.max()), dev)
-        return (self.table.to(dev, torch.int32), self._qpos.to(dev, torch.int32), self.lengths.to(dev, torch.int32),
-                splits)
+        r = self._srows
+        splits = split_count(len(r) * hkv, int(self.lengths[r].max()), dev)
+        return (self.table[r].to(dev, torch.int32), self._qpos.to(dev, torch.int32),
+                self.lengths[r].to(dev, torch.int32), splits)
 
     def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [K] and block indices [K] that this forward's valid positions write."""
         M = self.table.shape[1]
-        flat = torch.arange(self.batch_size)[:, None] * M + self._qpos // self.block_size  # [B, T]
+        flat = self._srows[:, None] * M + self._qpos // self.block_size  # [b, T]
         keys = flat[self._valid].unique()  # [K]
         return keys // M, keys % M
 
@@ -217,7 +222,7 @@ class PagedCache(KVCache):
         blocks = self.table[rows, idx].tolist()
         need = self._blocks_needed(blocks)
         if need > len(self.alloc.free):
-            raise SetupError(self._exhausted(need))
+            raise PoolExhausted(self._exhausted(need))
         new: dict[tuple[int, int], int] = {}
         copies = []
         for (b, i), blk in zip(zip(rows.tolist(), idx.tolist()), blocks):
@@ -270,7 +275,7 @@ class PagedCache(KVCache):
         """Destination rows of the flat pool for every valid (b, t, head), in k.transpose(1, 2)'s
         [B, T, Hkv] order, and the source rows to pick when some positions are padding."""
         pos, ok = self._qpos, self._valid  # [B, T]
-        blocks = self.table.gather(1, pos // self.block_size).clamp(min=0)  # [B, T]
+        blocks = self.table[self._srows].gather(1, pos // self.block_size).clamp(min=0)  # [b, T]
         dst = self._flat_rows(blocks, pos % self.block_size).transpose(1, 2)  # [B, T, Hkv]
         dev = self.layout.device
         if bool(ok.all()):
@@ -288,7 +293,7 @@ class PagedCache(KVCache):
             lo, hi = self._visible(window)
             S = int((hi - lo).max()) + 1
             kpos = lo[:, None] + torch.arange(S)  # [B, S]
-            blocks = self.table.gather(1, kpos.clamp(max=self.capacity - 1) // self.block_size)  # [B, S]
+            blocks = self.table[self._srows].gather(1, kpos.clamp(max=self.capacity - 1) // self.block_size)  # [b, S]
             held = (kpos <= hi[:, None]) & (blocks >= 0)
             kpos = torch.where(held, kpos, -1)
             run = self._run(lo, hi) if bool(ok.all()) else None
@@ -308,7 +313,7 @@ class PagedCache(KVCache):
         hi = torch.where(ok, q, -1).max(1).values  # [B]
         first = torch.where(ok, q, self.capacity).min(1).values
         empty = hi < 0
-        hi = torch.where(empty, (self.lengths - 1).clamp(min=0), hi)
+        hi = torch.where(empty, (self.lengths[self._srows] - 1).clamp(min=0), hi)
         first = torch.where(empty, hi, first)
         lo = torch.zeros_like(hi) if window is None else (first - window + 1).clamp(min=0)
         return lo, hi
@@ -316,10 +321,10 @@ class PagedCache(KVCache):
     def _run(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, int] | None:
         """For one row whose visible blocks are consecutive pool blocks: (first block,
         blocks, offset of lo in the first), to read as a view; else None."""
-        if self.batch_size != 1:
+        if len(self._srows) != 1:
             return None
         first, last = int(lo[0]) // self.block_size, int(hi[0]) // self.block_size
-        ids = self.table[0, first:last + 1]  # [nb]
+        ids = self.table[int(self._srows[0]), first:last + 1]  # [nb]
         if int(ids[0]) < 0 or not bool((ids[1:] - ids[:-1] == 1).all()):
             return None
         return int(ids[0]), last - first + 1, int(lo[0]) % self.block_size
@@ -360,7 +365,7 @@ class PagedCache(KVCache):
             a, nb, off = r.run  # [Hkv, nb, bs, D] -> [1, Hkv, S, D] without a copy
             return tuple(t[:, a:a + nb].reshape(Hkv, -1, D)[None, :, off:off + r.keys]
                          for t in (self._kh[layer], self._vh[layer]))
-        shape = (self.batch_size, Hkv, r.keys, D)
+        shape = (len(self._srows), Hkv, r.keys, D)
         return (self._kflat[layer].index_select(0, r.gather).view(shape),
                 self._vflat[layer].index_select(0, r.gather).view(shape))
 
@@ -373,13 +378,17 @@ class PagedCache(KVCache):
         return torch.arange(n), k, v
 
     # -- called by prefill: prefix caching -----------------------------------------
-    def reuse_prefix(self, prompts: list[list[int]]) -> list[int]:
-        """Map each prompt's cached full blocks (chain-hash hits) into its row; returns the
-        tokens reused per row (at most len - 1: the last position is always computed)."""
-        self._free_from(torch.zeros(self.batch_size, dtype=torch.long))
-        reused = [self._map_prefix(b, p) if self.prefix_caching else 0 for b, p in enumerate(prompts)]
-        self.lengths = torch.tensor(reused, dtype=torch.long)
-        self.prefix_reused_tokens = sum(reused)
+    def reuse_prefix(self, prompts: list[list[int]], rows: list[int] | None = None) -> list[int]:
+        """Map each prompt's cached full blocks (chain-hash hits) into its row (every row in
+        order, or `rows`, which are emptied first); returns the tokens reused per prompt (at
+        most len - 1: the last position is always computed)."""
+        rows = list(range(self.batch_size)) if rows is None else list(rows)
+        for row in rows:
+            self.release(row)
+        reused = [self._map_prefix(b, p) if self.prefix_caching else 0 for b, p in zip(rows, prompts)]
+        self.lengths = self.lengths.clone()
+        self.lengths[rows] = torch.tensor(reused, dtype=torch.long)
+        self.prefix_reused_tokens += sum(reused)
         return reused
 
     def _map_prefix(self, row: int, prompt: list[int]) -> int:
@@ -394,12 +403,13 @@ class PagedCache(KVCache):
             mapped += self.block_size
         return min(mapped, len(prompt) - 1)
 
-    def remember_prefix(self, prompts: list[list[int]]) -> None:
-        """Register the full prompt blocks of rows that hold exactly their prompt from
-        position 0 (a prefill that continued a non-empty row is not a prefix)."""
+    def remember_prefix(self, prompts: list[list[int]], rows: list[int] | None = None) -> None:
+        """Register the full prompt blocks of rows (every row in order, or `rows`) that hold
+        exactly their prompt from position 0 (a prefill that continued a non-empty row is
+        not a prefix)."""
         if not self.prefix_caching:
             return
-        for row, prompt in enumerate(prompts):
+        for row, prompt in zip(range(self.batch_size) if rows is None else rows, prompts):
             if int(self.lengths[row]) != len(prompt):
                 continue
             blocks = self.table[row].tolist()
@@ -418,6 +428,18 @@ class PagedCache(KVCache):
         super().reset()
         self._free_from(torch.zeros(self.batch_size, dtype=torch.long))
         self.prefix_reused_tokens = 0
+
+    def release(self, row: int) -> None:
+        """Forget one row: its blocks go to the free list (keeping their prefix hashes)."""
+        keep = torch.full((self.batch_size,), self.table.shape[1], dtype=torch.long)
+        keep[row] = 0
+        self._free_from(keep)
+        super().release(row)
+
+    def row_bytes(self, tokens: int) -> int:
+        """Whole blocks: ceil(tokens / block_size) x block_bytes (shared prefix blocks counted
+        in full: an upper bound of what the row adds to the pool)."""
+        return math.ceil(tokens / self.block_size) * self.block_bytes
 
     def _free_from(self, keep: torch.Tensor) -> None:
         """Release each row's table entries from block index keep[b] [B] on."""

@@ -138,6 +138,9 @@ class SlidingCache(DenseCache):
 
     approximate: bool = False
     label: str = "sliding"
+    serves_row_subsets = False  # declared on the contract (cache/base.py)
+    row_subset_reason = ("its rings plan every forward's writes and reads for the whole batch on the host; "
+                         "use the dense or paged backend to serve requests")
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, rollback: int = 8,
@@ -189,10 +192,10 @@ class SlidingCache(DenseCache):
         return self._windows[layer]
 
     # -- called by the model ---------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
         """Start a forward: plan each ring's writes and the keys its layers read."""
         before = self.lengths
-        super().prepare(positions, valid)
+        super().prepare(positions, valid, rows)
         pos, ok = self._qpos, self._valid  # [B, T] each
         first = torch.where(ok, pos, self.capacity).min(1).values  # [B] a row replaces what it held from here
         last = torch.where(ok, pos, -1).max(1).values  # [B]

@@ -20,3 +20,8 @@ def raise_if(reasons: list[str]) -> None:
     """Raise one SetupError listing every reason, if there is any."""
     if reasons:
         raise SetupError(reasons)
+
+
+class PoolExhausted(SetupError):
+    """A KV pool with too few free blocks for a forward (raised with the cache unchanged):
+    a serving engine preempts a request and retries; elsewhere it is a setup error."""

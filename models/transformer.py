@@ -162,9 +162,13 @@ class Transformer(nn.Module):
         valid: torch.Tensor | None = None,  # [B, T] bool: False marks padding (not cached)
         logit_index: torch.Tensor | None = None,  # [B, K]: compute logits only at these t
         n_layers: int | None = None,  # run only the first n layers (early-exit self-draft)
+        rows: list[int] | None = None,  # [B] the cache rows these rows are (None: all, in order)
     ) -> torch.Tensor:
         """Logits [B, T, V] (or [B, K, V] with `logit_index`)."""
-        cache.prepare(positions, valid)
+        if rows is None:
+            cache.prepare(positions, valid)
+        else:
+            cache.prepare(positions, valid, rows=rows)
         x = self.embed(ids)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)

@@ -1,0 +1,356 @@
+"""Continuous batching: requests arrive, wait in a queue, are admitted while the KV budget
+allows, decode together and leave when done; a finished request's cache row serves the
+next one at once.
+
+Every engine step builds at most two forwards from the running requests:
+- one decode forward: each decoding request feeds its last token (one row per request;
+  all cache rows ride along, the idle ones as padding, so a dense cache is read in place);
+- one prefill forward over the prefilling requests' rows only (`prepare(..., rows=)`,
+  cache/base.py): each takes its next chunk of prompt, within the step's token budget
+  (`token_budget` minus the decode rows, with policy `decode-first`), so a long prompt is
+  spread over several steps and never stalls the decoding requests for long. With
+  `policy: prefill-first` a step that has prefill work runs it with the whole budget and
+  no decode (vLLM's classic scheduler); `chunked_prefill: false` feeds a prompt in one go.
+Why two forwards and not one mixed forward: the model's attention runs on padded [B, T]
+batches, so a decode row in a 256-token prefill forward would compute 256 queries.
+
+The KV budget (`kv_budget_mb`, default: what the cache holds at full capacity) is
+counted with the cache's own `row_bytes(tokens)` for every running request. A request is
+admitted (FCFS, one free row, its prompt's bytes within the budget) and, when the next
+step would exceed the budget, the most recently admitted request is preempted: its row is
+released and it goes back to the head of the queue with what it generated; when
+readmitted it prefills prompt + output again (recompute, vLLM's default) and continues,
+so its output is unchanged (greedy: token-identical up to the float rounding of a prefill
+against decode steps). A paged cache with prefix caching maps the cached blocks of a
+common prompt prefix (a system prompt) into the new row instead of computing them.
+
+A request that can never run (longer than a row or than the whole budget, bad token ids)
+is rejected on arrival with its reason; the others are served.
+
+The static `generate` (decoding/generate.py) stays the loop for everything the engine
+does not serve: speculative decoders, the int4 and sliding backends (they cannot release
+one row), stop strings and streaming. Its greedy output is the engine's "all requests at
+t = 0" output (tests/decoding/test_engine.py checks it token for token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from decodelab.decoding.prefill import token_id_problems
+from decodelab.models.errors import PoolExhausted, SetupError, raise_if
+
+POLICIES = ("decode-first", "prefill-first")
+
+
+@dataclass
+class Request:
+    """One request: a prompt of token ids, how many tokens it may generate, when it arrives."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_s: float = 0.0  # seconds after the engine starts
+    id: int | str | None = None
+
+
+@dataclass
+class RequestResult:
+    """What the engine did with one request; times in seconds since the engine started."""
+
+    id: int | str | None
+    prompt_len: int
+    arrival_s: float
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # one per generated token
+    finish_reason: str | None = None  # eos | length | rejected
+    error: str | None = None  # why a rejected request was rejected
+    admitted_s: float | None = None  # first admission (queue wait = admitted - arrival)
+    preemptions: int = 0
+    prefix_reused: int = 0  # prompt tokens a prefix cache supplied (first admission)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival -> first token (queue wait + prefill + first sampling)."""
+        return self.token_times[0] - self.arrival_s if self.token_times else None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last - first) / (n - 1)."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    def itl_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e_s(self) -> float | None:
+        return self.token_times[-1] - self.arrival_s if self.token_times else None
+
+
+@dataclass
+class _Running:
+    """A request that holds a cache row."""
+
+    idx: int  # index in the request list
+    req: Request
+    res: RequestResult
+    row: int
+    feed: list[int]  # prompt (+ output so far, after a preemption) to prefill
+    fed: int = 0  # tokens of `feed` in the cache
+    order: int = 0  # admission counter: the latest admitted is preempted first
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.feed)
+
+    def cached_tokens(self, cache) -> int:
+        return int(cache.lengths[self.row])
+
+
+@dataclass
+class EngineResult:
+    """Per-request results (in request order), the step timeline, and the run's counters."""
+
+    requests: list[RequestResult]
+    timeline: list[dict]  # per step: t, running, waiting, kv_bytes (budget counted), decode rows, prefill tokens
+    kv_budget_bytes: int
+    wall_s: float
+    preemptions: int = 0
+    steps: int = 0
+
+
+def engine_problems(cache, decoder, token_budget: int, policy: str, max_running: int | None = None,
+                    kv_budget_mb: float | None = None) -> list[str]:
+    """Every reason these engine options cannot serve with this cache and decoder."""
+    p = []
+    if not getattr(cache, "serves_row_subsets", False):
+        p.append(f"the {type(cache).__name__} backend cannot serve continuous batching: "
+                 f"{getattr(cache, 'row_subset_reason', 'it declares no row release')}")
+    if getattr(decoder, "needs_drafter", False):
+        p.append("speculative decoding inside the serving engine is not built yet: serve with decoder=greedy or "
+                 "decoder=sampling (the static generate loop runs speculative decoding)")
+    if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
+        p.append(f"token_budget must be an integer >= 1 (tokens per engine step), got {token_budget!r}")
+    if policy not in POLICIES:
+        p.append(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+    if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
+        p.append(f"max_running must be an integer >= 1, got {max_running!r}")
+    if kv_budget_mb is not None and not kv_budget_mb > 0:
+        p.append(f"kv_budget_mb must be > 0, got {kv_budget_mb!r}")
+    elif kv_budget_mb is not None and kv_budget_mb * 2**20 > cache.nbytes():
+        p.append(f"kv_budget_mb={kv_budget_mb} is more than the cache allocated ({cache.nbytes() / 2**20:.2f} MiB): "
+                 "build the cache larger (paged: num_blocks / memory_budget_mb; dense: batch x capacity) or lower "
+                 "the budget")
+    return p
+
+
+class Engine:
+    """Serves `Request`s over one model and one cache whose rows are the running slots."""
+
+    def __init__(self, model, cache, decoder, token_budget: int = 256, policy: str = "decode-first",
+                 chunked_prefill: bool = True, kv_budget_mb: float | None = None, max_running: int | None = None,
+                 eos_ids=()):
+        raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb))
+        self.model, self.cache, self.decoder = model, cache, decoder
+        self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
+        self.max_running = min(max_running or cache.batch_size, cache.batch_size)
+        # default: what the cache allocated (dense: every row at capacity; paged: its pool)
+        self.kv_budget = cache.nbytes() if kv_budget_mb is None else int(kv_budget_mb * 2**20)
+        self.eos = set(eos_ids)
+
+    # -- checks --------------------------------------------------------------------
+    def rejection(self, req: Request) -> str | None:
+        """Why a request can never run here (None: it can)."""
+        p = token_id_problems([req.prompt], self.model.cfg.vocab_size)
+        n = req.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            p.append(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        elif not p:
+            need = len(req.prompt) + n
+            if need > min(self.cache.capacity, self.model.cfg.max_seq_len):
+                p.append(f"prompt ({len(req.prompt)}) + max_new_tokens ({n}) = {need} tokens exceeds a cache row "
+                         f"({self.cache.capacity}) or the model's context ({self.model.cfg.max_seq_len})")
+            elif self.cache.row_bytes(need) > self.kv_budget:
+                p.append(f"prompt + max_new_tokens = {need} tokens takes {self.cache.row_bytes(need)} bytes of KV, "
+                         f"more than the whole KV budget of {self.kv_budget} bytes")
+        return "; ".join(p) or None
+
+    # -- the loop ------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, requests: list[Request]) -> EngineResult:
+        """Serve every request: each joins the queue when the wall clock (seconds since
+        this call) passes its arrival; an idle engine sleeps until the next arrival."""
+        results = [RequestResult(r.id if r.id is not None else i, _len(r.prompt), float(r.arrival_s))
+                   for i, r in enumerate(requests)]
+        pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
+        self.cache.reset()
+        self.decoder.begin(self.model.device, [[0]], self.cache.capacity)
+        self.waiting: deque[int] = deque()
+        self.running: dict[int, _Running] = {}  # row -> running request
+        self._order, timeline, preempted, steps = 0, [], 0, 0
+        t0 = time.perf_counter()
+        clock = lambda: time.perf_counter() - t0  # noqa: E731
+        while pending or self.waiting or self.running:
+            while pending and (requests[pending[0]].arrival_s <= clock() or not (self.waiting or self.running)):
+                i = pending.popleft()
+                if requests[i].arrival_s > clock():
+                    time.sleep(requests[i].arrival_s - clock())
+                self._arrive(i, requests[i], results[i], clock)
+            self._admit(requests, results, clock)
+            if not self.running:
+                continue
+            preempted += self._fit_budget()
+            decode, chunks = self._plan()
+            try:
+                if decode:
+                    self._decode(decode, clock)
+                if chunks:
+                    self._prefill(chunks, clock)
+            except PoolExhausted:  # the cache refused the forward, unchanged: make room, plan again
+                if len(self.running) < 2:
+                    raise
+                self._preempt(max(self.running.values(), key=lambda r: r.order))
+                preempted += 1
+                continue
+            steps += 1
+            timeline.append({"t": clock(), "running": len(self.running), "waiting": len(self.waiting),
+                             "kv_bytes": self._used(), "decode_rows": len(decode),
+                             "prefill_tokens": sum(c for _, c in chunks)})
+        return EngineResult(results, timeline, self.kv_budget, clock(), preempted, steps)
+
+    def _arrive(self, i: int, req: Request, res: RequestResult, clock) -> None:
+        why = self.rejection(req)
+        if why is None:
+            self.waiting.append(i)
+        else:
+            res.finish_reason, res.error = "rejected", why
+
+    def _used(self, extra: dict[int, int] | None = None) -> int:
+        """KV bytes the running requests hold (plus `extra` tokens per row)."""
+        extra = extra or {}
+        return sum(self.cache.row_bytes(r.cached_tokens(self.cache) + extra.get(row, 0))
+                   for row, r in self.running.items())
+
+    def _admit(self, requests, results, clock) -> None:
+        """FCFS: admit the queue's head while a row is free and its prompt fits the budget."""
+        free = [row for row in range(self.cache.batch_size) if row not in self.running]
+        while self.waiting and free and len(self.running) < self.max_running:
+            i = self.waiting[0]
+            req, res = requests[i], results[i]
+            feed = list(req.prompt) + res.tokens  # after a preemption: recompute prompt + output
+            if self.running and self._used() + self.cache.row_bytes(len(feed) + 1) > self.kv_budget:
+                return
+            self.waiting.popleft()
+            row = free.pop(0)
+            reused = self.cache.reuse_prefix([feed], [row])[0]
+            if res.admitted_s is None:
+                res.admitted_s, res.prefix_reused = clock(), reused
+            self._order += 1
+            self.running[row] = _Running(i, req, res, row, feed, reused, self._order)
+
+    def _fit_budget(self) -> int:
+        """Preempt the latest admitted requests until the next step's growth fits the budget."""
+        n = 0
+        while len(self.running) > 1:
+            decode, chunks = self._plan()
+            extra = {r.row: 1 for r in decode} | {r.row: c for r, c in chunks}
+            if self._used(extra) <= self.kv_budget:
+                break
+            self._preempt(max(self.running.values(), key=lambda r: r.order))
+            n += 1
+        return n
+
+    def _preempt(self, r: _Running) -> None:
+        """Release the row; back to the head of the queue, output kept (recompute later)."""
+        self.cache.release(r.row)
+        del self.running[r.row]
+        r.res.preemptions += 1
+        self.waiting.appendleft(r.idx)
+
+    def _plan(self) -> tuple[list[_Running], list[tuple[_Running, int]]]:
+        """This step's decode rows and prefill chunks (request, tokens) under the token budget."""
+        decode = [r for r in self.running.values() if not r.prefilling]
+        prefill = sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.order)
+        if self.policy == "prefill-first" and prefill:
+            decode, left = [], self.token_budget
+        else:
+            left = self.token_budget - len(decode)
+        chunks = []
+        for r in prefill:
+            n = len(r.feed) - r.fed
+            take = n if not self.chunked else min(n, left)
+            if take <= 0 or (not self.chunked and chunks and take > left):
+                break
+            chunks.append((r, take))
+            left -= take
+        if not decode and not chunks and prefill:  # a budget below one prompt chunk still progresses
+            chunks = [(prefill[0], len(prefill[0].feed) - prefill[0].fed if not self.chunked else 1)]
+        return decode, chunks
+
+    def _decode(self, decode: list[_Running], clock) -> None:
+        """One forward over every cache row; the decoding requests feed their last token."""
+        B, dev = self.cache.batch_size, self.model.device
+        last = torch.zeros(B, 1, dtype=torch.long)
+        valid = torch.zeros(B, 1, dtype=torch.bool)
+        pos = self.cache.lengths.clamp(max=self.cache.capacity - 1)[:, None].clone()  # [B, 1]
+        for r in decode:
+            last[r.row, 0], valid[r.row, 0] = r.res.tokens[-1], True
+        logits = self.model(last.to(dev), pos.to(dev), self.cache, valid=valid.to(dev))[:, -1]  # [B, V]
+        rows = [r.row for r in decode]
+        self._emit(decode, self.decoder.start(logits[rows]).tolist(), clock)
+
+    def _prefill(self, chunks: list[tuple[_Running, int]], clock) -> None:
+        """One forward over the prefilling rows: each its next chunk (right-padded)."""
+        T, dev = max(c for _, c in chunks), self.model.device
+        ids = torch.zeros(len(chunks), T, dtype=torch.long)
+        valid = torch.zeros(len(chunks), T, dtype=torch.bool)
+        pos = torch.zeros(len(chunks), T, dtype=torch.long)
+        for b, (r, c) in enumerate(chunks):
+            ids[b, :c] = torch.as_tensor(r.feed[r.fed:r.fed + c])
+            valid[b, :c] = True
+            # padding sits past the chunk (never at a valid position: a backend may write padding slots)
+            pos[b] = (r.fed + torch.arange(T)).clamp(max=self.cache.capacity - 1)
+        at = torch.tensor([[c - 1] for _, c in chunks])
+        logits = self.model(ids.to(dev), pos.to(dev), self.cache, valid=valid.to(dev), logit_index=at.to(dev),
+                            rows=[r.row for r, _ in chunks])[:, 0]  # [b, V]
+        done = []
+        for b, (r, c) in enumerate(chunks):
+            r.fed += c
+            if not r.prefilling:
+                done.append(b)
+                self.cache.remember_prefix([r.feed], [r.row])
+        if done:
+            self._emit([chunks[b][0] for b in done], self.decoder.start(logits[done]).tolist(), clock)
+
+    def _emit(self, rs: list[_Running], tokens: list[int], clock) -> None:
+        now = clock()
+        for r, t in zip(rs, tokens):
+            r.res.tokens.append(t)
+            r.res.token_times.append(now)
+            if t in self.eos or len(r.res.tokens) >= r.req.max_new_tokens:
+                r.res.finish_reason = "eos" if t in self.eos else "length"
+                self.cache.release(r.row)
+                del self.running[r.row]
+
+
+def _len(prompt) -> int:
+    try:
+        return len(prompt)
+    except TypeError:
+        return 0
+
+
+def serve(model, cache, decoder, requests: list[Request], **options) -> EngineResult:
+    """Build an `Engine` with `options` and serve `requests` (see the module docstring)."""
+    if not requests:
+        raise SetupError("no requests to serve: give at least one Request")
+    return Engine(model, cache, decoder, **options).run(requests)

@@ -1,0 +1,182 @@
+"""The continuous-batching engine: every request's greedy output equals decoding it alone,
+under chunked prefill, arrivals, a KV budget small enough to force preemptions and
+prefix sharing; nothing lost or duplicated; bad requests are rejected, not crashed on."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from decodelab.cache.dense import DenseCache
+from decodelab.cache.int4 import QuantizedCache
+from decodelab.cache.paged import PagedCache
+from decodelab.cache.sliding import SlidingCache
+from decodelab.decoding import Request, generate, greedy, serve
+from decodelab.decoding.decoders import SamplingDecoder
+from decodelab.decoding.engine import Engine
+from decodelab.decoding.speculative import SpeculativeDecoder
+from decodelab.models.errors import SetupError
+from tests.conftest import cache_for, random_ids
+
+LENGTHS = (5, 33, 18, 40, 7, 25, 12, 30)
+NEW = 16
+SERVING = {"dense": DenseCache, "paged": functools.partial(PagedCache, block_size=4)}
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models):
+    """name -> (prompts, each prompt's greedy tokens decoded alone by the static loop)."""
+    out = {}
+    for name in ("llama", "gemma3"):
+        m = tiny_models[name].model
+        prompts = [random_ids(n, m.cfg.vocab_size, seed=n) for n in LENGTHS]
+        out[name] = prompts, [generate(m, cache_for(m, 1, 80), greedy(), [p], NEW).tokens[0] for p in prompts]
+    return out
+
+
+def requests(prompts, spread: float = 0.0) -> list[Request]:
+    """Half arrive at t = 0, the rest `spread` seconds apart after that."""
+    return [Request(p, NEW, arrival_s=0.0 if i < len(prompts) // 2 else spread * i, id=f"r{i}")
+            for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("backend", list(SERVING))
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("token_budget,policy", [(6, "decode-first"), (256, "decode-first"), (8, "prefill-first")])
+def test_engine_output_equals_each_request_alone(tiny_models, alone, name, backend, token_budget, policy):
+    m = tiny_models[name].model
+    prompts, expected = alone[name]
+    cache = cache_for(m, 3, 80, SERVING[backend])
+    r = serve(m, cache, greedy(), requests(prompts, 0.005), token_budget=token_budget, policy=policy)
+    assert [x.tokens for x in r.requests] == expected
+    assert [x.id for x in r.requests] == [f"r{i}" for i in range(len(prompts))]
+    assert all(x.finish_reason == "length" and len(x.token_times) == NEW for x in r.requests)
+    assert all(x.ttft_s > 0 and x.queue_s >= 0 for x in r.requests)
+    assert max(t["running"] for t in r.timeline) == 3  # the rows were shared, not run one by one
+
+
+@pytest.mark.parametrize("backend", list(SERVING))
+def test_forced_preemption_keeps_every_output(tiny_models, alone, backend):
+    """A budget of 1.5 rows of 60 tokens: requests are preempted, recomputed, and still
+    produce exactly what they produce alone; none is lost or served twice."""
+    m = tiny_models["llama"].model
+    prompts, expected = alone["llama"]
+    cache = cache_for(m, 3, 80, SERVING[backend])
+    budget_mb = cache.row_bytes(60) * 1.5 / 2**20
+    r = serve(m, cache, greedy(), requests(prompts), token_budget=16, kv_budget_mb=budget_mb)
+    assert r.preemptions > 0 and sum(x.preemptions for x in r.requests) == r.preemptions
+    assert [x.tokens for x in r.requests] == expected
+    assert max(t["kv_bytes"] for t in r.timeline) <= r.kv_budget_bytes
+
+
+def test_pool_exhaustion_preempts_instead_of_failing(tiny_models, alone):
+    """A paged pool smaller than the budget the engine counts with (the logical budget
+    deliberately set equal to the pool, rows of 80 tokens): the cache's own refusal makes
+    the engine preempt and retry."""
+    m = tiny_models["llama"].model
+    prompts, expected = alone["llama"]
+    cache = cache_for(m, 4, 80, functools.partial(PagedCache, block_size=4, num_blocks=30))
+    r = serve(m, cache, greedy(), requests(prompts), token_budget=64)
+    assert [x.tokens for x in r.requests] == expected
+    assert r.preemptions > 0
+
+
+def test_prefix_sharing_maps_a_common_system_prompt(tiny_models):
+    m = tiny_models["llama"].model
+    system = random_ids(32, seed=99)
+    prompts = [system + random_ids(n, seed=n) for n in (4, 9, 6, 11)]
+    expected = [generate(m, cache_for(m, 1, 80), greedy(), [p], 8).tokens[0] for p in prompts]
+    cache = cache_for(m, 2, 80, functools.partial(PagedCache, block_size=8))
+    r = serve(m, cache, greedy(), [Request(p, 8, arrival_s=0.01 * i) for i, p in enumerate(prompts)],
+              token_budget=64)
+    assert [x.tokens for x in r.requests] == expected
+    assert r.requests[0].prefix_reused == 0 and all(x.prefix_reused == 32 for x in r.requests[1:])
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_steps(tiny_models):
+    m = tiny_models["llama"].model
+    reqs = [Request(random_ids(8, seed=1), 30), Request(random_ids(60, seed=2), 4, arrival_s=0.02)]
+    cache = cache_for(m, 2, 80)
+    chunked = serve(m, cache, greedy(), reqs, token_budget=9)
+    whole = serve(m, cache, greedy(), reqs, token_budget=9, chunked_prefill=False)
+    assert [x.tokens for x in chunked.requests] == [x.tokens for x in whole.requests]
+    assert max(t["prefill_tokens"] for t in chunked.timeline) <= 8  # 9 minus the decoding row
+    assert max(t["prefill_tokens"] for t in whole.timeline) == 60
+
+
+def test_bad_requests_are_rejected_and_the_rest_served(tiny_models):
+    m = tiny_models["llama"].model
+    good = random_ids(10)
+    reqs = [Request(good, 5), Request(random_ids(100), 5), Request([], 5), Request([1, 300], 5),
+            Request(good, 0), Request([1.5, 2], 5), Request(good, 5, arrival_s=0.01)]
+    r = serve(m, cache_for(m, 2, 64), greedy(), reqs)
+    reasons = [x.finish_reason for x in r.requests]
+    assert reasons == ["length", "rejected", "rejected", "rejected", "rejected", "rejected", "length"]
+    assert "exceeds a cache row" in r.requests[1].error and "empty" in r.requests[2].error
+    assert "outside the vocabulary" in r.requests[3].error and "max_new_tokens" in r.requests[4].error
+    assert "not integers" in r.requests[5].error
+    assert r.requests[0].tokens == r.requests[6].tokens and all(not x.tokens for x in r.requests[1:6])
+
+
+def test_a_request_larger_than_the_budget_is_rejected(tiny_models):
+    m = tiny_models["llama"].model
+    cache = cache_for(m, 2, 64)
+    r = serve(m, cache, greedy(), [Request(random_ids(40), 20), Request(random_ids(5), 5)],
+              kv_budget_mb=cache.row_bytes(30) / 2**20)
+    assert r.requests[0].finish_reason == "rejected" and "whole KV budget" in r.requests[0].error
+    assert r.requests[1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(token_budget=0), "token_budget must be an integer >= 1"),
+                                    (dict(policy="lifo"), "policy must be one of"),
+                                    (dict(kv_budget_mb=-1.0), "kv_budget_mb must be > 0"),
+                                    (dict(kv_budget_mb=1e6), "more than the cache allocated")])
+def test_bad_engine_options_are_refused(tiny_models, kw, msg):
+    m = tiny_models["llama"].model
+    with pytest.raises(SetupError, match=msg):
+        Engine(m, cache_for(m, 2, 64), greedy(), **kw)
+
+
+@pytest.mark.parametrize("backend", [QuantizedCache, SlidingCache])
+def test_backends_that_cannot_release_a_row_refuse_with_the_reason(tiny_models, backend):
+    m = tiny_models["llama"].model
+    with pytest.raises(SetupError, match="cannot serve continuous batching"):
+        Engine(m, cache_for(m, 2, 64, backend), greedy())
+    with pytest.raises(SetupError, match="cannot release one row"):
+        cache_for(m, 2, 64, backend).release(0)
+
+
+def test_speculative_decoder_is_refused_by_the_engine(tiny_models):
+    from decodelab.decoding.drafters import prompt_lookup
+
+    m = tiny_models["llama"].model
+    with pytest.raises(SetupError, match="speculative decoding inside the serving engine"):
+        Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2))
+
+
+def test_sampling_in_the_engine_is_seeded(tiny_models):
+    m = tiny_models["llama"].model
+    reqs = [Request(random_ids(n, seed=n), 12) for n in (5, 9, 14)]
+    a = serve(m, cache_for(m, 3, 64), SamplingDecoder(temperature=1.0, seed=3), reqs)
+    b = serve(m, cache_for(m, 3, 64), SamplingDecoder(temperature=1.0, seed=3), reqs)
+    assert [x.tokens for x in a.requests] == [x.tokens for x in b.requests]
+    assert len({tuple(x.tokens) for x in a.requests}) == 3
+
+
+def test_a_forward_over_a_subset_of_rows_equals_the_full_batch(tiny_models):
+    """prepare(..., rows=) on dense (consecutive and scattered rows) and paged: the rows
+    prefilled alone hold what a whole-batch prefill writes."""
+    m = tiny_models["gemma3"].model
+    prompts = [random_ids(n, seed=n) for n in (20, 20, 20)]
+    ids = torch.tensor(prompts)
+    pos = torch.arange(20).expand(3, -1)
+    for backend in SERVING.values():
+        full = cache_for(m, 3, 40, backend)
+        ref = m(ids, pos, full)[:, -1]
+        for rows in ([0, 1], [2, 0]):
+            c = cache_for(m, 3, 40, backend)
+            got = m(ids[rows], pos[rows], c, rows=rows)[:, -1]
+            torch.testing.assert_close(got, ref[rows], rtol=0, atol=1e-5)
+            assert c.lengths.tolist() == [20 if r in rows else 0 for r in range(3)]
