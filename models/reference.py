@@ -112,40 +112,68 @@ def hf_generate_timed(hf, ids: list[int], new_tokens: int, eos: tuple = ()) -> t
 
 def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int | list[int], eos: tuple = (),
                       **options) -> dict:
-    """transformers' own continuous batching (`hf.generate_batch`: paged cache + scheduler), greedy, on `prompts`.
+    """transformers' own continuous batching (paged cache + scheduler), greedy, on `prompts`.
 
-    `max_new_tokens` is one value for all requests: `generate_batch` takes a single one (only the manager's
-    `add_request` takes it per request), so a list of different values is refused with a ValueError. EOS is
-    ignored when `eos` is empty (else `eos` ends a request, the EOS token kept, as in `generate`). `options` are
+    Drives transformers' `ContinuousBatchingManager` the way `hf.generate_batch` does (same manager set-up through
+    `continuous_batching_context_manager`, warmup, workload hints, stop), but submits each request itself with
+    `add_request`, so `max_new_tokens` may be one value for all requests or a list with one per request (replayed
+    traces: each request its own reply length), which `generate_batch` cannot take. EOS is ignored when `eos` is
+    empty (else `eos` ends a request, the EOS token kept, as in `generate`). `options` are
     `ContinuousBatchingConfig` fields (`page_size`, `num_blocks`, `max_batch_tokens`, `scheduler_type`, ...);
-    `num_blocks` defaults to what the run needs, since transformers would otherwise size the cache to ~90% of
-    free device memory (of host RAM on the CPU: 20+ s to allocate).
+    `num_blocks` defaults to what the run needs (per request ceil((prompt + its max_new) / page_size)), since
+    transformers would otherwise size the cache to ~90% of free device memory (of host RAM on the CPU: 20+ s).
 
-    Returns {"tokens": [B][n_b] generated ids in the order of `prompts` (prompt excluded), "wall_s": seconds
-    of the `generate_batch` call (manager set-up, warmup and tear-down included), "ttft_s": [B] seconds from
-    the call's start to each request's first token, "token_times": [B][n_b] seconds from the call's start to
-    each token}. The times come from `GenerationOutput.timestamps` (`record_timestamps=True`): absolute
-    `time.perf_counter()` stamps taken when the scheduler thread receives each token, made relative here."""
+    Returns {"tokens": [B][n_b] generated ids in the order of `prompts` (prompt excluded), "wall_s": seconds of
+    the whole call (manager set-up, warmup and tear-down included), "gen_s": seconds from the first request
+    submitted to the caller receiving the last request's result (the generation itself, without the manager's
+    start and stop), "ttft_s": [B] seconds from the call's start to each request's first token, "token_times":
+    [B][n_b] seconds from the call's start to each token}. The times come from `GenerationOutput.timestamps`
+    (`record_timestamps=True`): absolute `time.perf_counter()` stamps taken when the scheduler thread receives
+    each token, made relative here."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    news = set(max_new_tokens) if isinstance(max_new_tokens, list) else {max_new_tokens}
-    if len(news) != 1:
-        raise ValueError(f"hf_generate_batch: transformers' generate_batch takes one max_new_tokens for all requests, "
-                         f"got {sorted(news)}")
-    new = news.pop()
+    news = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    if len(news) != len(prompts):
+        raise ValueError(f"hf_generate_batch: {len(news)} max_new_tokens for {len(prompts)} prompts")
+    if not prompts:
+        return {"tokens": [], "wall_s": 0.0, "gen_s": 0.0, "ttft_s": [], "token_times": []}
     page = options.get("page_size", ContinuousBatchingConfig.page_size)
-    options.setdefault("num_blocks", sum(-(-(len(p) + new) // page) for p in prompts))  # blocks of `page` tokens
-    gen = GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=list(eos) or -1)  # -1: no EOS
+    options.setdefault("num_blocks", sum(-(-(len(p) + n) // page) for p, n in zip(prompts, news)))  # of `page` tokens
+    eos_id = list(eos) or -1  # -1: no EOS
+    # greedy; max_new_tokens is only the default for requests submitted without one (generate_batch's hints use it)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(news), eos_token_id=eos_id)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(news),
+                          num_requests=len(prompts))
+    ids = [f"req_{i}" for i in range(len(prompts))]
+    results = {}
     t0 = time.perf_counter()
-    out = hf.generate_batch(prompts, generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(
-        **options), record_timestamps=True)
+    with torch.no_grad(), hf.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**options), block=True,
+            timeout=5, warmup=True, workload_hints=hints) as manager:
+        order = list(zip(ids, prompts, news))
+        if getattr(manager, "_use_prefix_sharing", False):  # as `add_requests`: prompts sorted, for prefix hits
+            order.sort(key=lambda x: x[1], reverse=True)
+        g0 = time.perf_counter()
+        for rid, p, n in order:
+            if manager.add_request(list(p), request_id=rid, max_new_tokens=n, record_timestamps=True,
+                                   eos_token_id=eos_id) is None:
+                break  # refused (logged by transformers): reported below as missing
+        while len(results) < len(prompts):  # as `generate_batch`: finished results only, until all or the loop dies
+            r = manager.get_result(timeout=1)
+            if r is not None:
+                if r.is_finished():
+                    results[r.request_id] = r
+            elif not manager.is_running():
+                break
+        g1 = time.perf_counter()
     if hf.device.type == "cuda":
         torch.cuda.synchronize(hf.device)
     wall = time.perf_counter() - t0
-    res = list(out.values())  # in the order of the inputs (generate_batch reorders them)
-    if [r.prompt_ids for r in res] != [list(p) for p in prompts] or any(r.error for r in res):
-        raise RuntimeError(f"hf_generate_batch: {len(res)} of {len(prompts)} requests came back, errors: "
-                           f"{[r.error for r in res if r.error]}")
+    res = [results.get(i) for i in ids]
+    if any(r is None or r.error or r.prompt_ids != list(p) for r, p in zip(res, prompts)):
+        raise RuntimeError(f"hf_generate_batch: {sum(r is not None for r in res)} of {len(prompts)} requests came "
+                           f"back, errors: {[r.error for r in res if r is not None and r.error]}")
     times = [[s - t0 for s in r.timestamps] for r in res]
-    return {"tokens": [list(r.generated_tokens) for r in res], "wall_s": wall,
+    return {"tokens": [list(r.generated_tokens) for r in res], "wall_s": wall, "gen_s": g1 - g0,
             "ttft_s": [t[0] if t else None for t in times], "token_times": times}
