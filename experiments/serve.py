@@ -1,0 +1,225 @@
+"""Serving under load, measured as vLLM's `benchmark_serving` measures it (README, "Serving").
+
+    decodelab-serve                                   # ShareGPT trace, all at once, dense and paged
+    decodelab-serve trace=system-prompt rates=[1,2,4] backends=[dense,paged]
+    decodelab-serve trace=synthetic requests=64 rates=[0.5,1,inf] kv_budget_mb=16
+
+A trace is a list of requests (prompt ids and an output length: ShareGPT's reply lengths
+capped at `max_output_tokens`, a synthetic range, or ShareGPT prompts behind one shared
+system prompt); for each request rate (Poisson arrivals, `inf` = all at t = 0) and cache
+backend, the continuous-batching engine (decoding/engine.py) serves the whole trace,
+ignoring EOS so every request generates exactly its length (as vLLM's benchmark does).
+Per request: TTFT from arrival (split into queue wait and prefill), TPOT, ITL, end-to-end
+latency; per run: output and total tok/s, requests/s, goodput under the SLO (`slo.ttft_s`,
+`slo.tpot_s`), preemptions, KV budget utilization over time. Side by side in the same
+process at rate `inf`: transformers' continuous batching (`generate_batch`) on the same
+requests (`compare_transformers`), and `check_alone` requests decoded one at a time by the
+static loop (token identity).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from decodelab.decoding.engine import POLICIES, Engine, Request, engine_problems
+from decodelab.decoding.generate import generate, percentile
+from decodelab.decoding.text import make_cache
+from decodelab.experiments import harness
+from decodelab.experiments.workloads import load_jsonl, sharegpt_jsonl, synthetic_prompt
+from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.loading import instantiate_unwrapped
+from decodelab.models.reference import hf_generate_batch, hf_model_for
+
+log = logging.getLogger("decodelab.serve")
+TRACES = ("sharegpt", "synthetic", "system-prompt")
+
+
+# -- before any weights load ----------------------------------------------------------------
+def rates_of(cfg: DictConfig) -> list[float]:
+    """The request rates as floats (`inf`: all requests at t = 0)."""
+    return [float(r) for r in cfg.rates]
+
+
+def check(cfg: DictConfig) -> None:
+    """Every problem of the trace, rates, engine and model options, before weights load."""
+    p = harness.model_problems(cfg.model)
+    if cfg.trace not in TRACES:
+        p.append(f"trace must be one of {list(TRACES)}, got {cfg.trace!r}")
+    p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
+                                    "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0})
+    try:
+        rates = rates_of(cfg)
+        p += [f"rates must be > 0 requests/s (inf: all at once), got {r}" for r in rates if not r > 0]
+        p += [] if rates else ["rates must list at least one request rate, e.g. rates=[inf]"]
+    except (TypeError, ValueError):
+        p.append(f"rates must be a list of numbers or inf, got {OmegaConf.to_container(cfg.rates)}")
+    lo, hi = cfg.synthetic.prompt_tokens, cfg.synthetic.output_tokens
+    for key, (a, b) in (("prompt_tokens", lo), ("output_tokens", hi)):
+        if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
+            p.append(f"synthetic.{key} must be [min, max] with 1 <= min <= max, got [{a}, {b}]")
+    unknown = [b for b in cfg.backends if b not in harness.group_options("cache")]
+    p += [f"backend {b!r} does not exist; the cache options are {harness.group_options('cache')}" for b in unknown]
+    probe = harness._probe_layout()
+    for b in (b for b in cfg.backends if b not in unknown):
+        cache = harness.collect(p, lambda b=b: harness.cache_factory(b)(probe, 2, 128))
+        if cache is not None:
+            p += [f"backend {b}: {r}" for r in engine_problems(cache, harness.collect(p, lambda: decoder_of(cfg)),
+                                                                cfg.token_budget, cfg.policy)
+                  if "kv_budget" not in r]
+    if cfg.policy not in POLICIES and not any("policy" in r for r in p):
+        p.append(f"policy must be one of {list(POLICIES)}, got {cfg.policy!r}")
+    if cfg.kv_budget_mb is not None and not cfg.kv_budget_mb > 0:
+        p.append(f"kv_budget_mb must be > 0 (or null: the whole cache), got {cfg.kv_budget_mb}")
+    for key in ("ttft_s", "tpot_s"):
+        if not cfg.slo[key] > 0:
+            p.append(f"slo.{key} must be > 0 seconds, got {cfg.slo[key]}")
+    raise_if(p)
+
+
+def decoder_of(cfg: DictConfig):
+    return instantiate_unwrapped(cfg.decoder)
+
+
+# -- traces ---------------------------------------------------------------------------------
+def trace(cfg: DictConfig, lm) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) per request, from `cfg.trace` with `cfg.seed`."""
+    rng = random.Random(cfg.seed)
+    if cfg.trace == "synthetic":
+        (a, b), (c, d) = cfg.synthetic.prompt_tokens, cfg.synthetic.output_tokens
+        out = []
+        for i in range(cfg.requests):
+            ids = synthetic_prompt(lm, rng.randint(a, b), seed=cfg.seed + i)
+            out.append((ids[i % len(ids):] + ids[:i % len(ids)], rng.randint(c, d)))
+        return out
+    system = synthetic_prompt(lm, cfg.system_prompt_tokens, seed=cfg.seed) if cfg.trace == "system-prompt" else []
+    pool = load_jsonl(sharegpt_jsonl()[0])
+    rng.shuffle(pool)
+    tok, out = lm.tokenizer, []
+    room = cfg.max_prompt_tokens - len(system)
+    for rec in pool:
+        ids = tok.encode(rec.prompt, chat=True)
+        reply = len(tok.encode(rec.reference or ""))
+        if 4 <= len(ids) <= room and reply >= 4:  # vLLM drops prompts or replies under 4 tokens
+            out.append((system + ids, min(reply, cfg.max_output_tokens)))
+        if len(out) == cfg.requests:
+            return out
+    raise SetupError(f"only {len(out)} ShareGPT records fit max_prompt_tokens={cfg.max_prompt_tokens}; raise it "
+                     "or ask for fewer requests")
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals: cumulative exponential gaps of mean 1 / rate seconds (0 for inf)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# -- metrics --------------------------------------------------------------------------------
+def _pcts(values: list[float], name: str) -> dict:
+    v = sorted(x for x in values if x is not None)
+    return {f"{name}_p50_ms": percentile(v, 50), f"{name}_p99_ms": percentile(v, 99)}
+
+
+def metrics(result, slo) -> dict:
+    """vLLM's serving metrics of one engine run (times in ms, rates per second)."""
+    done = [r for r in result.requests if r.finish_reason not in (None, "rejected")]
+    dur = result.wall_s
+    out_tok = sum(len(r.tokens) for r in done)
+    good = [r for r in done if r.ttft_s <= slo.ttft_s and (r.tpot_s or 0.0) <= slo.tpot_s]
+    util = [t["kv_bytes"] / result.kv_budget_bytes for t in result.timeline]
+    return {"completed": len(done), "rejected": sum(r.finish_reason == "rejected" for r in result.requests),
+            "duration_s": dur, "output_tok_s": out_tok / dur, "total_tok_s": (out_tok + sum(r.prompt_len for r in done))
+            / dur, "requests_s": len(done) / dur, "goodput_req_s": len(good) / dur,
+            **_pcts([r.ttft_s for r in done], "ttft"), **_pcts([r.queue_s for r in done], "queue"),
+            **_pcts([r.token_times[0] - r.admitted_s for r in done], "prefill"),
+            **_pcts([r.tpot_s for r in done], "tpot"), **_pcts([x for r in done for x in r.itl_s()], "itl"),
+            **_pcts([r.e2e_s for r in done], "e2e"), "preemptions": result.preemptions, "steps": result.steps,
+            "max_running": max((t["running"] for t in result.timeline), default=0),
+            "kv_util_mean": statistics.fmean(util) if util else 0.0, "kv_util_max": max(util, default=0.0),
+            "prefix_reused_tokens": sum(r.prefix_reused for r in done)}
+
+
+# -- one run --------------------------------------------------------------------------------
+def engine_for(cfg: DictConfig, lm, backend: str, capacity: int) -> Engine:
+    cache = make_cache(lm.model, cfg.max_running, capacity, harness.cache_factory(backend))
+    return Engine(lm.model, cache, decoder_of(cfg), token_budget=cfg.token_budget, policy=cfg.policy,
+                  chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb)
+
+
+def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, seed: int):
+    times = arrivals(len(reqs), rate, seed)
+    return engine.run([Request(p, n, t, id=i) for i, ((p, n), t) in enumerate(zip(reqs, times))])
+
+
+def request_records(result, backend: str, rate: float, run: str) -> list[dict]:
+    return [{"kind": "prompt", "run": run, "backend": backend, "rate": rate, "id": r.id, "prompt_len": r.prompt_len,
+             "output_len": len(r.tokens), "arrival_s": r.arrival_s, "ttft_s": r.ttft_s, "queue_s": r.queue_s,
+             "tpot_s": r.tpot_s, "e2e_s": r.e2e_s, "preemptions": r.preemptions, "finish": r.finish_reason,
+             "error": r.error, "token_times": r.token_times} for r in result.requests]
+
+
+def side_by_side(cfg: DictConfig, lm, reqs, result) -> dict:
+    """At rate inf: transformers' generate_batch on the same requests, and requests decoded
+    alone by the static loop; token identity against the engine's outputs."""
+    ours = [r.tokens for r in result.requests]
+    out = {}
+    if cfg.check_alone:
+        n = min(cfg.check_alone, len(reqs))
+        alone = [generate(lm.model, make_cache(lm.model, 1, len(p) + k), decoder_of(cfg), [p], k).tokens[0]
+                 for p, k in reqs[:n]]
+        out.update(alone_checked=n, alone_identical=sum(a == b for a, b in zip(alone, ours)))
+    if cfg.compare_transformers:
+        hf = hf_model_for(lm)
+        hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
+        got = hf_generate_batch(hf, [p for p, _ in reqs], [k for _, k in reqs])
+        n_out = sum(len(t) for t in got["tokens"])
+        ttft = sorted(t for t in got["ttft_s"] if t is not None)
+        out.update(hf_output_tok_s=n_out / got["wall_s"], hf_gen_output_tok_s=n_out / got["gen_s"],
+                   hf_wall_s=got["wall_s"], hf_ttft_p50_ms=percentile(ttft, 50), hf_ttft_p99_ms=percentile(ttft, 99),
+                   hf_identical=sum(a == b for a, b in zip(got["tokens"], ours)), hf_requests=len(reqs))
+    return out
+
+
+def run(cfg: DictConfig, out: Path) -> None:
+    check(cfg)
+    lm = harness.load_model(cfg)
+    reqs = trace(cfg, lm)
+    capacity = max(len(p) + n for p, n in reqs)
+    conditions, run_id = harness.run_conditions(lm.model), harness.run_id("serve")
+    log.info("trace %s: %d requests, prompts %d-%d tokens, outputs %d-%d", cfg.trace, len(reqs),
+             min(len(p) for p, _ in reqs), max(len(p) for p, _ in reqs), min(n for _, n in reqs),
+             max(n for _, n in reqs))
+    records = []
+    for backend in cfg.backends:
+        engine = engine_for(cfg, lm, backend, capacity)
+        serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
+        for rate in rates_of(cfg):
+            result = serve_once(engine, reqs, rate, cfg.seed)
+            m = metrics(result, cfg.slo) | {"kv_budget_mb": result.kv_budget_bytes / 2**20}
+            if math.isinf(rate) and backend == cfg.backends[0]:
+                m |= side_by_side(cfg, lm, reqs, result)
+            setup = {"name": f"{cfg.trace} {backend} rate={rate:g}", "cache": backend, "rate": rate,
+                     "trace": cfg.trace, "requests": len(reqs), "max_running": cfg.max_running,
+                     "token_budget": cfg.token_budget, "policy": cfg.policy, "chunked_prefill": cfg.chunked_prefill}
+            log.info("%s: %s", setup["name"], {k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
+            records += request_records(result, backend, rate, f"{run_id}-{backend}-{rate:g}")
+            records += [{"kind": "timeline", "run": f"{run_id}-{backend}-{rate:g}", **t} for t in result.timeline]
+            records.append(harness.summary("serve", f"{run_id}-{backend}-{rate:g}", setup, m, conditions, cfg))
+            harness.write_jsonl(out / harness.RESULTS, records)  # after every run: nothing measured is lost
+
+
+main, cli = harness.entry_points("serve", run, check)
+
+if __name__ == "__main__":
+    main()

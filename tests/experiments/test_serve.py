@@ -1,0 +1,73 @@
+"""experiments.serve on the tiny model: the serving metrics of every run, side by side with
+the static loop, results read by report; bad trace options refused before weights load."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from decodelab.experiments.report import load_runs, read_results
+from decodelab.experiments.serve import arrivals, check, run
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny-llama", "model.device=cpu", "threads=1", "trace=synthetic", "requests=6",
+        "synthetic.prompt_tokens=[8,40]", "synthetic.output_tokens=[4,12]", "compare_transformers=false",
+        "max_running=3", "token_budget=16"]
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="serve", overrides=[*TINY, *overrides])
+
+
+def test_serve_measures_every_backend_and_rate(tmp_path):
+    run(config("rates=[inf,50]", "check_alone=6"), tmp_path)
+    summaries = read_results(tmp_path / "results.jsonl")  # each with its request records as `prompts`
+    assert [(s["setup"]["cache"], s["setup"]["rate"]) for s in summaries] == [
+        ("dense", math.inf), ("dense", 50.0), ("paged", math.inf), ("paged", 50.0)]
+    for s in summaries:
+        m = s["metrics"]
+        assert m["completed"] == 6 and m["rejected"] == 0 and m["output_tok_s"] > 0
+        assert m["ttft_p50_ms"] <= m["ttft_p99_ms"] and m["queue_p50_ms"] >= 0 and m["max_running"] <= 3
+        assert 0 < m["kv_util_max"] <= 1 and m["goodput_req_s"] <= m["requests_s"]
+    assert summaries[0]["metrics"]["alone_identical"] == summaries[0]["metrics"]["alone_checked"] == 6
+    prompts = [p for s in summaries for p in s["prompts"]]
+    assert len(prompts) == 4 * 6 and all(len(p["token_times"]) == p["output_len"] for p in prompts)
+    assert len(load_runs(tmp_path)) == 4  # report reads every run
+
+
+def test_a_budget_below_a_request_rejects_it_and_serves_the_rest(tmp_path):
+    run(config("backends=[dense]", "kv_budget_mb=0.004", "check_alone=0"), tmp_path)  # ~26 tokens of the tiny model
+    m = read_results(tmp_path / "results.jsonl")[0]["metrics"]
+    assert m["rejected"] > 0 and m["completed"] + m["rejected"] == 6
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    t = arrivals(4000, 5.0, seed=1)
+    assert t[0] == 0.0 and t == sorted(t)
+    assert abs(len(t) / t[-1] - 5.0) < 0.3
+    assert arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("override,msg", [("rates=[0]", "rates must be > 0"), ("token_budget=0", "token_budget"),
+                                          ("policy=lifo", "policy must be one of"), ("trace=nope", "trace must be"),
+                                          ("backends=[int4]", "cannot serve continuous batching"),
+                                          ("backends=[nosuch]", "does not exist"),
+                                          ("synthetic.prompt_tokens=[9,3]", "synthetic.prompt_tokens")])
+def test_bad_options_are_refused_before_weights_load(override, msg):
+    with pytest.raises(SetupError, match=msg):
+        check(config(override))
+
+
+def test_console_script_refuses_with_exit_2_and_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "decodelab.experiments.serve", *TINY, "rates=[-1]", "token_budget=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "rates must be > 0" in p.stderr and "token_budget" in p.stderr
