@@ -143,6 +143,7 @@ class Plan:
     quantize_to: list[int]
     drop: list[int]  # [B] exact tokens dropped from the store's front after the attention
     views: dict  # window -> [View], one per chunk of query columns
+    rows: list[int]  # [B] the cache row of each row of the forward (all rows, or `prepare`'s `rows`)
     stored: set = field(default_factory=set)  # layers that stored this forward's K/V
     dropped: set = field(default_factory=set)  # layers that dropped their exact copies since
 
@@ -152,9 +153,7 @@ class QuantizedCache(KVCache):
     of up to `rollback` tokens, sees a position exact (see the module docstring)."""
 
     lossy = True
-    serves_row_subsets = False  # declared on the contract (cache/base.py)
-    row_subset_reason = ("its quantize/flush plan covers every row of the batch in each forward; use the dense "
-                         "or paged backend to serve requests")
+    serves_row_subsets = True  # a row is its own stores: a forward plans only the rows it feeds
     #: a forward of more query columns attends in chunks of this many, each reading only the
     #: keys it needs: a long prefill then costs about the causal T^2 / 2 scores, not the
     #: T x 2T of one mask over every dequantized block and every exact token
@@ -173,6 +172,7 @@ class QuantizedCache(KVCache):
             reasons = e.reasons + reasons
         raise_if(reasons)
         self.rollback_limit, self.impl = rollback, resolve_impl(impl, layout.device)  # impl: cache/kernels/dispatch
+        self._options = (nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype, rollback)
         self.residual, self.flush, self.nbits = residual, flush, nbits
         self.scale_dtype = SCALE_DTYPES[scale_dtype]
         D = layout.head_dim
@@ -194,16 +194,24 @@ class QuantizedCache(KVCache):
         forward over the whole capacity in full precision (a long prefill is appended
         exact before its blocks are quantized)."""
         flush = group_size if flush is None else flush
-        raise_if(option_problems(layout, nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype,
-                                 rollback))
+        opts = (nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype, rollback)
+        raise_if(option_problems(layout, *opts))
+        exact_token = layout.bytes_per_token() // layout.n_layers  # K and V of one token in one layer
+        return batch_size * (cls._row_bytes(layout, capacity, *opts) + capacity * exact_token)
+
+    @staticmethod
+    def _row_bytes(layout: CacheLayout, tokens: int, nbits, group_size, residual, key_axis, value_axis, flush,
+                   scale_dtype, rollback) -> int:
+        """One row of `tokens` tokens, every layer: V(tokens - 1) quantized tokens (codes, a
+        scale and a shift per group, K and V) and at most residual + rollback + flush exact ones."""
         H, D, L = layout.n_kv_heads, layout.head_dim, layout.n_layers
         exact_token = layout.bytes_per_token() // L  # K and V of one token in one layer
         scale = SCALE_DTYPES[scale_dtype].itemsize
         quantized_token = sum(H * D * nbits // 8 + 2 * (H * D // effective_group(axis, group_size, D)) * scale
                               for axis in (key_axis, value_axis))  # K and V: codes, scales, shifts
-        quantized = max(0, (capacity - residual) // flush) * flush  # V(capacity - 1)
-        exact = min(capacity, residual + rollback + flush)
-        return batch_size * (L * (quantized * quantized_token + exact * exact_token) + capacity * exact_token)
+        quantized = max(0, (tokens - residual) // flush) * flush  # V(tokens - 1)
+        exact = min(tokens, residual + rollback + flush)
+        return L * (quantized * quantized_token + exact * exact_token)
 
     def __repr__(self) -> str:
         kg, vg = self.key_grouping, self.value_grouping
@@ -238,39 +246,41 @@ class QuantizedCache(KVCache):
     def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
         """Start a forward (each row must continue at its length, right padding only) and
         plan it: what every layer stores, quantizes, reads (per window) and drops."""
-        old = self.lengths
+        before = self.lengths
         super().prepare(positions, valid, rows)
+        r = torch.arange(self.batch_size) if self._sel is None else self._sel  # [b] the cache rows fed
+        old = before[r]
         pos, ok = self._qpos, self._valid  # [B, T]
         T = pos.shape[1]
-        n = self.lengths - old  # [B] new tokens per row
+        n = self.lengths[r] - old  # [B] new tokens per row
         prefix = torch.arange(T)[None, :] < n[:, None]  # [B, T]
         if not bool((ok == prefix).all()) or not bool(((pos == old[:, None] + torch.arange(T)) | ~ok).all()):
-            self.lengths = old
+            self.lengths = before
             raise SetupError("the int4 cache stores each row's tokens in order: a forward must continue every "
                              f"row at its length {old.tolist()} (right padding only); truncate first to rewrite")
-        L = self.lengths
+        L, qs, p0 = self.lengths[r], self.quantized_len[r], self.exact_start[r]  # [B] each
         qeff = torch.where(ok, pos, L[:, None] - 1)  # [B, T] padding queries act as the row's last
         vis = self.quantized_prefix(qeff)  # [B, T] V(q)
         # quantize what the latest query sees quantized (and anything only held quantized)
-        q_to = torch.maximum(self.quantized_len, self.quantized_prefix(L - 1))
-        p0_new = torch.maximum(self.exact_start,
-                               torch.minimum(q_to, self.quantized_prefix(L - self.rollback_limit)))
+        q_to = torch.maximum(qs, self.quantized_prefix(L - 1))
+        p0_new = torch.maximum(p0, torch.minimum(q_to, self.quantized_prefix(L - self.rollback_limit)))
         C = self.attention_chunk
-        views = {w: [self._view(w, qeff[:, a:a + C], vis[:, a:a + C], a) for a in range(0, T, C)]
+        views = {w: [self._view(w, qeff[:, a:a + C], vis[:, a:a + C], a, p0) for a in range(0, T, C)]
                  for w in set(self.layout.windows)}
-        self._plan = Plan(n.tolist(), self.exact_start.tolist(), self.quantized_len.tolist(), q_to.tolist(),
-                          (p0_new - self.exact_start).tolist(), views)
-        self.quantized_len, self.exact_start = q_to, p0_new  # what every layer holds once this forward is done
+        self._plan = Plan(n.tolist(), p0.tolist(), qs.tolist(), q_to.tolist(), (p0_new - p0).tolist(), views,
+                          r.tolist())
+        self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
+        self.quantized_len[r], self.exact_start[r] = q_to, p0_new  # what every layer holds once this forward is done
         kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C)  # decode-sized: one view, the kernel
         self._kernel_q = self.kernel_queries() if kernel else None  # ([B, T] positions, their V(q))
 
-    def _view(self, window, qeff, vis, a: int) -> View:
+    def _view(self, window, qeff, vis, a: int, exact_start: torch.Tensor) -> View:
         """Key slots of every row for the queries qeff [B, t] (columns a..a+t) in one window,
         and the mask that picks, per query, the dequantized version of positions below V(q)
         and the exact one from V(q) on (exactly one version of every visible position)."""
         first, last = qeff.min(1).values, qeff.max(1).values  # [B] earliest and latest query of each row
-        qa = torch.maximum(self.quantized_prefix(last), self.exact_start)  # below P0: only held quantized
-        fs = torch.maximum(self.exact_start, vis.min(1).values)  # exact positions below fs: no query reads them
+        qa = torch.maximum(self.quantized_prefix(last), exact_start)  # below P0: only held quantized
+        fs = torch.maximum(exact_start, vis.min(1).values)  # exact positions below fs: no query reads them
         hi = last + 1
         if window is None:
             lo = torch.zeros_like(qa)
@@ -332,23 +342,23 @@ class QuantizedCache(KVCache):
         """Append each row's valid new tokens k, v [B, H, T, D] to its exact store; quantize
         the blocks [quantize_from, quantize_to) (one quanto call, the same bytes as block by block)."""
         p = self._plan
-        for b, n in enumerate(p.new_tokens):
+        for b, (n, row) in enumerate(zip(p.new_tokens, p.rows)):
             start, q_from, q_to = p.exact_start[b], p.quantize_from[b], p.quantize_to[b]
             for g, codes, exact, x in ((self.key_grouping, self.key_codes, self.key_exact, k),
                                        (self.value_grouping, self.value_codes, self.value_exact, v)):
                 if n:
-                    exact[layer][b] = torch.cat((exact[layer][b], x[b, :, :n]), 1)
+                    exact[layer][row] = torch.cat((exact[layer][row], x[b, :, :n]), 1)
                 if q_to > q_from:
-                    new = exact[layer][b][:, q_from - start:q_to - start]  # [H, q_to - q_from, D]
-                    codes[layer][b] = g.append(codes[layer][b], quantize(new, g, self.scale_dtype))
+                    new = exact[layer][row][:, q_from - start:q_to - start]  # [H, q_to - q_from, D]
+                    codes[layer][row] = g.append(codes[layer][row], quantize(new, g, self.scale_dtype))
         p.stored.add(layer)
 
     def _flush(self, layer: int) -> None:
         """Drop the exact copies of blocks no future query can need (fresh storage: freed)."""
-        for b, d in enumerate(self._plan.drop):
+        for row, d in zip(self._plan.rows, self._plan.drop):
             if d:
-                self.key_exact[layer][b] = self.key_exact[layer][b][:, d:].clone()
-                self.value_exact[layer][b] = self.value_exact[layer][b][:, d:].clone()
+                self.key_exact[layer][row] = self.key_exact[layer][row][:, d:].clone()
+                self.value_exact[layer][row] = self.value_exact[layer][row][:, d:].clone()
         self._plan.dropped.add(layer)
 
     # -- reading -------------------------------------------------------------------
@@ -363,7 +373,7 @@ class QuantizedCache(KVCache):
         """Per row, the position the layer's exact store starts at now (the forward's drop may
         have run), checked to hold every exact position the view reads."""
         dropped = layer in self._plan.dropped
-        starts = self.exact_start.tolist() if dropped else self._plan.exact_start
+        starts = self.exact_start[self._plan.rows].tolist() if dropped else self._plan.exact_start
         for b, (lo, hi, start) in enumerate(zip(view.exact_from, view.exact_to, starts)):
             if hi > lo and lo < start:
                 raise SetupError(f"layer {layer}, row {b}: the exact keys of positions [{lo}, {start}) this forward "
@@ -372,29 +382,30 @@ class QuantizedCache(KVCache):
 
     def _gather(self, layer: int, view: View):
         """Scratch K and V buffers [B, H, S, D] of every row: dequantized blocks, then exact tokens."""
-        B, H, D = self.batch_size, self.layout.n_kv_heads, self.layout.head_dim
+        B, H, D = len(self._plan.rows), self.layout.n_kv_heads, self.layout.head_dim
         new = torch.zeros if view.ragged else torch.empty  # masked slots must be finite (0 x nan = nan)
         kw = dict(dtype=self.layout.dtype, device=self.layout.device)
         kbuf, vbuf = new(B, H, view.slots, D, **kw), new(B, H, view.slots, D, **kw)
         starts = self._exact_starts(layer, view)
-        for b in range(B):
+        for b, row in enumerate(self._plan.rows):
             lo, qa, fs, e, p0 = (view.dequant_from[b], view.dequant_to[b], view.exact_from[b], view.exact_to[b],
                                  starts[b])
             for g, codes, exact, buf in ((self.key_grouping, self.key_codes, self.key_exact, kbuf),
                                          (self.value_grouping, self.value_codes, self.value_exact, vbuf)):
                 if qa > lo:
-                    dequantize_into(g.region(buf[b], qa - lo), g.span(codes[layer][b], lo, qa), g)
+                    dequantize_into(g.region(buf[b], qa - lo), g.span(codes[layer][row], lo, qa), g)
                 if e > fs:
-                    buf[b, :, qa - lo:qa - lo + e - fs].copy_(exact[layer][b][:, fs - p0:e - p0])
+                    buf[b, :, qa - lo:qa - lo + e - fs].copy_(exact[layer][row][:, fs - p0:e - p0])
         return kbuf, vbuf
 
     def kernel_rows(self, layer: int, chunk: int = 0) -> Int4Rows:
         """One layer's stores and the key spans that chunk `chunk` of this forward's queries
         reads (a single chunk unless the forward is longer than `attention_chunk`), as the
         int4 kernels take them (cache/kernels/int4.py). Valid once the layer's `attend` ran."""
-        view = self._views(layer)[chunk]
-        return Int4Rows(self.key_codes[layer], self.value_codes[layer], self.key_exact[layer],
-                        self.value_exact[layer], self._exact_starts(layer, view), self.key_grouping,
+        view, rows = self._views(layer)[chunk], self._plan.rows
+        pick = lambda stores: [stores[layer][r] for r in rows]  # noqa: E731
+        return Int4Rows(pick(self.key_codes), pick(self.value_codes), pick(self.key_exact),
+                        pick(self.value_exact), self._exact_starts(layer, view), self.key_grouping,
                         self.value_grouping, view.dequant_from, view.dequant_to, view.exact_from, view.exact_to)
 
     def kernel_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,7 +413,7 @@ class QuantizedCache(KVCache):
         in the plan) and their V(q) [B, T], int32 on the cache's device: the kernels' qpos, vis."""
         if self._plan is None:
             raise SetupError("the int4 cache has no forward prepared: call prepare(positions) first")
-        qeff = torch.where(self._valid, self._qpos, self.lengths[:, None] - 1)  # [B, T]
+        qeff = torch.where(self._valid, self._qpos, self.lengths[self._plan.rows][:, None] - 1)  # [B, T]
         dev = self.layout.device
         return qeff.to(dev, torch.int32), self.quantized_prefix(qeff).to(dev, torch.int32)
 
@@ -477,6 +488,29 @@ class QuantizedCache(KVCache):
         return sum(t.untyped_storage().nbytes() for t in stores + exact)
 
     # -- capabilities (cache/base.py) ----------------------------------------------
+    def release(self, row: int) -> None:
+        """Forget one row: its quantized and exact stores are emptied (freed)."""
+        super().release(row)
+        H, D, sd, dev = self.layout.n_kv_heads, self.layout.head_dim, self.scale_dtype, self.layout.device
+        for layer in range(self.layout.n_layers):
+            self.key_codes[layer][row] = self.key_grouping.empty(H, D, sd, dev)
+            self.value_codes[layer][row] = self.value_grouping.empty(H, D, sd, dev)
+            self.key_exact[layer][row] = self.key_exact[layer][row][:, :0].clone()
+            self.value_exact[layer][row] = self.value_exact[layer][row][:, :0].clone()
+        self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
+        self.quantized_len[row] = self.exact_start[row] = 0
+        self._plan = None
+
+    def row_bytes(self, tokens: int) -> int:
+        """What a row of `tokens` tokens holds at most: V(tokens - 1) quantized tokens and up to
+        residual + rollback + flush exact ones, every layer (`planned_bytes` of one row, without
+        the transient full-precision copy of a forward)."""
+        return self._row_bytes(self.layout, tokens, *self._options)
+
+    def budget_bytes(self) -> int:
+        """Every row at full capacity (the stores grow; nothing is allocated up front)."""
+        return self.batch_size * self.row_bytes(self.capacity)
+
     def fill_random(self, n_tokens: int, seed: int = 0) -> None:
         """Forget every row, then make each hold positions [0, n_tokens) of random K/V as a
         one-pass prefill leaves them: quantized [0, V(n - 1)), exact from

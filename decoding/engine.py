@@ -146,8 +146,9 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
         p.append(f"max_running must be an integer >= 1, got {max_running!r}")
     if kv_budget_mb is not None and not kv_budget_mb > 0:
         p.append(f"kv_budget_mb must be > 0, got {kv_budget_mb!r}")
-    elif kv_budget_mb is not None and kv_budget_mb * 2**20 > cache.nbytes():
-        p.append(f"kv_budget_mb={kv_budget_mb} is more than the cache allocated ({cache.nbytes() / 2**20:.2f} MiB): "
+    elif kv_budget_mb is not None and kv_budget_mb * 2**20 > cache.budget_bytes():
+        p.append(f"kv_budget_mb={kv_budget_mb} is more than the cache can hold "
+                 f"({cache.budget_bytes() / 2**20:.2f} MiB): "
                  "build the cache larger (paged: num_blocks / memory_budget_mb; dense: batch x capacity) or lower "
                  "the budget")
     return p
@@ -163,8 +164,8 @@ class Engine:
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
-        # default: what the cache allocated (dense: every row at capacity; paged: its pool)
-        self.kv_budget = cache.nbytes() if kv_budget_mb is None else int(kv_budget_mb * 2**20)
+        # default: what the cache can hold (dense: every row at capacity; paged: its pool; int4: rows at capacity)
+        self.kv_budget = cache.budget_bytes() if kv_budget_mb is None else int(kv_budget_mb * 2**20)
         self.eos = set(eos_ids)
 
     # -- checks --------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,10 +46,10 @@ HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "i
 
 # -- loading -------------------------------------------------------------------------------
 def read_results(path: str | Path) -> list[dict]:
-    """The summary records of one `results.jsonl`, with their prompt lines (same `run`) as `prompts`
-    and the file as `path`; a non-object line is skipped with a warning, an unfinished run gives []."""
+    """The summary records of one `results.jsonl`, with their prompt lines (same `run`) as `prompts`,
+    their engine steps (serve) as `timeline` and the file as `path`; a non-object line is skipped with a warning, an unfinished run gives []."""
     path = Path(path)
-    summaries, prompts = [], {}
+    summaries, prompts, timelines = [], {}, {}
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -65,9 +66,12 @@ def read_results(path: str | Path) -> list[dict]:
             summaries.append(rec)
         elif rec.get("kind") == "prompt":
             prompts.setdefault(rec.get("run"), []).append(rec)
+        elif rec.get("kind") == "timeline":  # serve: one line per engine step
+            timelines.setdefault(rec.get("run"), []).append(rec)
     if not summaries:
         log.warning("%s: no summary line (the run did not finish); skipped", path)
-    return [{**s, "prompts": prompts.get(s.get("run"), []), "path": path} for s in summaries]
+    return [{**s, "prompts": prompts.get(s.get("run"), []), "timeline": timelines.get(s.get("run"), []), "path": path}
+            for s in summaries]
 
 
 def finished_at(run: dict) -> datetime:
@@ -243,6 +247,36 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
     return {k: v for k, v in written.items() if v is not None}
 
 
+def serve_plots(runs: list[dict], out: Path) -> dict[str, Path]:
+    """decodelab-serve: p50/p99 TTFT and TPOT vs request rate and output tok/s and goodput vs
+    rate, per cache backend and trace (finite rates only); KV budget utilization over time
+    per run."""
+    def by_rate(metric: str, label=lambda s, m: f"{s.get('cache')} {s.get('trace')}") -> dict[str, list[tuple]]:
+        series: dict[str, list[tuple]] = {}
+        for r in runs:
+            s, m = r.get("setup") or {}, r.get("metrics") or {}
+            rate = s.get("rate")
+            if rate is not None and math.isfinite(rate) and m.get(metric) is not None:
+                series.setdefault(label(s, m), []).append((rate, m[metric]))
+        return series
+
+    def pcts(name: str) -> dict[str, list[tuple]]:
+        return {f"{k} p{q}": v for q in (50, 99) for k, v in by_rate(f"{name}_p{q}_ms").items()}
+
+    util = {str((r.get("setup") or {}).get("name")): [(t["t"], t["kv_bytes"] / 2**20 / r["metrics"]["kv_budget_mb"])
+                                                   for t in r["timeline"]]
+            for r in runs if r.get("timeline") and (r.get("metrics") or {}).get("kv_budget_mb")}
+    figs = {"serve_latency_vs_rate": [(pcts("ttft"), "requests/s", "TTFT (ms)", "Time to first token vs rate"),
+                                      (pcts("tpot"), "requests/s", "TPOT (ms)", "Time per output token vs rate")],
+            "serve_throughput_vs_rate": [(by_rate("output_tok_s"), "requests/s", "output tok/s", "Throughput vs rate"),
+                                         (by_rate("goodput_req_s"), "requests/s", "requests/s within the SLO",
+                                          "Goodput vs rate")],
+            "serve_kv_utilization": [(util, "seconds", "KV bytes / budget", "KV budget in use over time")]}
+    written = {stem: plot(out / f"{stem}.png", panels, style=".-" if stem.endswith("utilization") else "o-")
+               for stem, panels in figs.items()}
+    return {k: v for k, v in written.items() if v is not None}
+
+
 # -- the report ----------------------------------------------------------------------------
 class NoRunsError(SetupError):
     """A directory with no finished run under it (the console exits 2, as for any SetupError)."""
@@ -267,6 +301,9 @@ def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, P
     paths["md"].write_text(report_markdown(rows))
     bench = [r for r in runs if r.get("entry", "bench") == "bench"]  # the plots are of generations
     paths.update(plots(bench, [r for r in rows if r["entry"] == "bench"], out))
+    serve = [r for r in runs if r.get("entry") == "serve"]
+    if serve:
+        paths.update(serve_plots(serve, out))
     return paths
 
 

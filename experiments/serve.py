@@ -3,10 +3,12 @@
     decodelab-serve                                   # ShareGPT trace, all at once, dense and paged
     decodelab-serve trace=system-prompt rates=[1,2,4] backends=[dense,paged]
     decodelab-serve trace=synthetic requests=64 rates=[0.5,1,inf] kv_budget_mb=16
+    decodelab-serve trace=interference token_budget=16   # a long prompt arriving mid-stream: ITL, chunked or not
 
 A trace is a list of requests (prompt ids and an output length: ShareGPT's reply lengths
 capped at `max_output_tokens`, a synthetic range, or ShareGPT prompts behind one shared
-system prompt); for each request rate (Poisson arrivals, `inf` = all at t = 0) and cache
+system prompt; `interference`: synthetic requests at t = 0 and one long prompt arriving
+mid-stream, served with and without chunked prefill); for each request rate (Poisson arrivals, `inf` = all at t = 0) and cache
 backend, the continuous-batching engine (decoding/engine.py) serves the whole trace,
 ignoring EOS so every request generates exactly its length (as vLLM's benchmark does).
 Per request: TTFT from arrival (split into queue wait and prefill), TPOT, ITL, end-to-end
@@ -38,7 +40,7 @@ from decodelab.models.loading import instantiate_unwrapped
 from decodelab.models.reference import hf_generate_batch, hf_model_for
 
 log = logging.getLogger("decodelab.serve")
-TRACES = ("sharegpt", "synthetic", "system-prompt")
+TRACES = ("sharegpt", "synthetic", "system-prompt", "interference")
 
 
 # -- before any weights load ----------------------------------------------------------------
@@ -64,6 +66,11 @@ def check(cfg: DictConfig) -> None:
     for key, (a, b) in (("prompt_tokens", lo), ("output_tokens", hi)):
         if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
             p.append(f"synthetic.{key} must be [min, max] with 1 <= min <= max, got [{a}, {b}]")
+    if cfg.trace == "interference":
+        i = cfg.interference
+        if not (isinstance(i.prompt_tokens, int) and i.prompt_tokens >= 1 and i.at_s >= 0 and cfg.requests >= 2):
+            p.append(f"trace=interference needs interference.prompt_tokens >= 1, interference.at_s >= 0 and "
+                     f"requests >= 2, got {i.prompt_tokens}, {i.at_s} and {cfg.requests}")
     unknown = [b for b in cfg.backends if b not in harness.group_options("cache")]
     p += [f"backend {b!r} does not exist; the cache options are {harness.group_options('cache')}" for b in unknown]
     probe = harness._probe_layout()
@@ -89,8 +96,12 @@ def decoder_of(cfg: DictConfig):
 
 # -- traces ---------------------------------------------------------------------------------
 def trace(cfg: DictConfig, lm) -> list[tuple[list[int], int]]:
-    """(prompt ids, output tokens) per request, from `cfg.trace` with `cfg.seed`."""
+    """(prompt ids, output tokens) per request, from `cfg.trace` with `cfg.seed`
+    (interference: the synthetic requests, then the long one last)."""
     rng = random.Random(cfg.seed)
+    if cfg.trace == "interference":
+        long = synthetic_prompt(lm, cfg.interference.prompt_tokens, seed=cfg.seed + 7919)
+        return trace(OmegaConf.merge(cfg, {"trace": "synthetic", "requests": cfg.requests - 1}), lm) + [(long, 1)]
     if cfg.trace == "synthetic":
         (a, b), (c, d) = cfg.synthetic.prompt_tokens, cfg.synthetic.output_tokens
         out = []
@@ -157,8 +168,8 @@ def engine_for(cfg: DictConfig, lm, backend: str, capacity: int) -> Engine:
                   chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb)
 
 
-def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, seed: int):
-    times = arrivals(len(reqs), rate, seed)
+def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, seed: int, times=None):
+    times = arrivals(len(reqs), rate, seed) if times is None else times
     return engine.run([Request(p, n, t, id=i) for i, ((p, n), t) in enumerate(zip(reqs, times))])
 
 
@@ -191,6 +202,44 @@ def side_by_side(cfg: DictConfig, lm, reqs, result) -> dict:
     return out
 
 
+def interference_metrics(result) -> dict:
+    """ITL of the other requests while the long prompt (the last request) waits and
+    prefills (from its arrival to its first token), against their ITL before it arrived."""
+    long = result.requests[-1]
+    if not long.token_times:
+        return {}
+    start, end = long.arrival_s, long.token_times[0]
+    before, during = [], []
+    for r in result.requests[:-1]:
+        for a, b in zip(r.token_times, r.token_times[1:]):
+            (before if b < start else during if a < end and b >= start else []).append(b - a)
+    p = _pcts(during, "itl_during_long")
+    base = statistics.median(before) if before else None
+    return {**p, "itl_before_long_p50_ms": None if base is None else 1e3 * base,
+            "itl_p99_over_unloaded": None if not base or p["itl_during_long_p99_ms"] is None
+            else p["itl_during_long_p99_ms"] / (1e3 * base), "long_prompt_ttft_ms": 1e3 * long.ttft_s}
+
+
+def interference(cfg: DictConfig, lm, reqs, backend: str, capacity: int, conditions: dict, run_id: str) -> list:
+    """The synthetic requests at t = 0 and the long prompt at `interference.at_s`, served
+    with chunked prefill and without, side by side: summaries and request records."""
+    times = [0.0] * (len(reqs) - 1) + [float(cfg.interference.at_s)]
+    records = []
+    for chunked in (True, False):
+        engine = engine_for(OmegaConf.merge(cfg, {"chunked_prefill": chunked}), lm, backend, capacity)
+        serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
+        result = serve_once(engine, reqs, math.inf, cfg.seed, times)
+        m = metrics(result, cfg.slo) | interference_metrics(result)
+        name = f"interference {backend} chunked={chunked} budget={cfg.token_budget}"
+        log.info("%s: %s", name, {k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
+        rid = f"{run_id}-{backend}-{'chunked' if chunked else 'whole'}"
+        setup = {"name": name, "cache": backend, "trace": "interference", "chunked_prefill": chunked,
+                 "token_budget": cfg.token_budget, "long_prompt_tokens": len(reqs[-1][0])}
+        records += request_records(result, backend, math.inf, rid)
+        records.append(harness.summary("serve", rid, setup, m, conditions, cfg))
+    return records
+
+
 def run(cfg: DictConfig, out: Path) -> None:
     check(cfg)
     lm = harness.load_model(cfg)
@@ -202,6 +251,10 @@ def run(cfg: DictConfig, out: Path) -> None:
              max(n for _, n in reqs))
     records = []
     for backend in cfg.backends:
+        if cfg.trace == "interference":
+            records += interference(cfg, lm, reqs, backend, capacity, conditions, run_id)
+            harness.write_jsonl(out / harness.RESULTS, records)
+            continue
         engine = engine_for(cfg, lm, backend, capacity)
         serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
         for rate in rates_of(cfg):

@@ -66,6 +66,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+class Packed:
+    """The valid tokens of a padded [B, T] batch as rows [N] of the flat [B * T] one: the
+    position-wise work (norms, projections, MLP, head) runs on those N rows only, and
+    attention, which the cache runs on padded [B, T] batches, sees them unpacked (zeros at
+    padding). A batch whose rows are mostly padding (a serving engine's decode step with
+    idle rows, chunks of different lengths) then costs what its tokens cost."""
+
+    def __init__(self, valid: torch.Tensor):  # [B, T] bool
+        self.B, self.T = valid.shape
+        self.idx = valid.reshape(-1).nonzero().squeeze(1)  # [N]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]"""
+        return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.idx)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, T, ...], zeros at padding."""
+        out = x.new_zeros(self.B * self.T, *x.shape[1:])
+        return out.index_copy_(0, self.idx, x).view(self.B, self.T, *x.shape[1:])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -77,18 +98,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple, cache) -> torch.Tensor:
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, rope: tuple, cache, packed: Packed | None = None) -> torch.Tensor:
+        """x [B, T, dim] (or its valid tokens [N, dim] with `packed`) -> the same shape."""
+        qkv = self.wqkv(x)
+        if packed is not None:
+            qkv = packed.unpack(qkv)  # [B, T, q + 2 kv]
+        B, T, _ = qkv.shape
         D = self.cfg.head_dim
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, -1, D).transpose(1, 2)  # [B, Hq, T, D]
         k = k.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, -1, D).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = cache.attend(self.layer, q, k, v)  # [B, Hq, T, D]
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))
+        out = cache.attend(self.layer, q, k, v).transpose(1, 2).reshape(B, T, self.q_size)  # [B, T, Hq * D]
+        return self.wo(out if packed is None else packed.pack(out))
 
 
 class MLP(nn.Module):
@@ -117,8 +142,8 @@ class Block(nn.Module):
         self.attn_post_norm = norm() if cfg.sandwich_norm else None
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
-    def forward(self, x, rope, cache):
-        h = self.attn(self.attn_norm(x), rope, cache)
+    def forward(self, x, rope, cache, packed: Packed | None = None):
+        h = self.attn(self.attn_norm(x), rope, cache, packed)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
@@ -169,15 +194,20 @@ class Transformer(nn.Module):
             cache.prepare(positions, valid)
         else:
             cache.prepare(positions, valid, rows=rows)
-        x = self.embed(ids)
+        # mostly padding: the position-wise work runs on the valid tokens only
+        packed = Packed(valid) if valid is not None and 2 * int(valid.sum()) <= valid.numel() else None
+        x = self.embed(ids if packed is None else packed.pack(ids))  # [B, T, dim] or [N, dim]
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
         for layer, block in enumerate(self.layers[:n_layers]):
-            x = block(x, ropes[self._rope_keys[layer]], cache)
+            x = block(x, ropes[self._rope_keys[layer]], cache, packed)
         if logit_index is not None:
+            x = x if packed is None else packed.unpack(x)
             x = x.gather(1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
-        return self.head(self.norm(x))
+            return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        return logits if packed is None else packed.unpack(logits)  # [B, T, V], zeros at padding
 
     def inv_freq(self, rope, device: torch.device) -> torch.Tensor:
         """float32 inverse frequencies [head_dim / 2] of one RoPE on one device (memoized)."""

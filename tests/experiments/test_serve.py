@@ -58,7 +58,7 @@ def test_poisson_arrivals_have_the_asked_rate():
 
 @pytest.mark.parametrize("override,msg", [("rates=[0]", "rates must be > 0"), ("token_budget=0", "token_budget"),
                                           ("policy=lifo", "policy must be one of"), ("trace=nope", "trace must be"),
-                                          ("backends=[int4]", "cannot serve continuous batching"),
+                                          ("backends=[sliding]", "cannot serve continuous batching"),
                                           ("backends=[nosuch]", "does not exist"),
                                           ("synthetic.prompt_tokens=[9,3]", "synthetic.prompt_tokens")])
 def test_bad_options_are_refused_before_weights_load(override, msg):
@@ -71,3 +71,13 @@ def test_console_script_refuses_with_exit_2_and_no_traceback():
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "rates must be > 0" in p.stderr and "token_budget" in p.stderr
+
+
+def test_interference_runs_chunked_and_whole_side_by_side(tmp_path):
+    run(config("trace=interference", "backends=[dense]", "interference.prompt_tokens=120", "interference.at_s=0.05",
+               "token_budget=8", "check_alone=0"), tmp_path)
+    chunked, whole = read_results(tmp_path / "results.jsonl")
+    assert chunked["setup"]["chunked_prefill"] is True and whole["setup"]["chunked_prefill"] is False
+    for s in (chunked, whole):
+        assert s["metrics"]["completed"] == 6 and s["metrics"]["long_prompt_ttft_ms"] > 0
+    assert [p["output_len"] for p in chunked["prompts"]] == [p["output_len"] for p in whole["prompts"]]
