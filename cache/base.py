@@ -36,8 +36,9 @@ naming the backend): `static_view()` (fixed-shape storage for a compiled decode 
 `fill_random(n_tokens, seed)` (random K/V for kernel checks and benchmarks),
 `read_bytes(context)` (bytes one decode step reads), `release(row)` (forget one row
 and free its storage for another sequence while the others keep theirs) and
-`row_bytes(tokens)` and `budget_bytes()` (what one row of that many tokens holds, and
-all rows at most: a serving engine's KV budget counts them). Nothing outside `cache/` reads a
+`row_bytes(tokens)`, `held_bytes(rows)` and `budget_bytes()` (what one row of that many
+tokens holds, what some rows hold now with shared storage counted once, and all rows at
+most: a serving engine's KV budget counts them). Nothing outside `cache/` reads a
 backend's private state or asks its type.
 
 Before anything is allocated, `planned_bytes(factory, layout, batch_size, capacity)`
@@ -305,6 +306,11 @@ class KVCache:
         """K/V bytes one row holding `tokens` tokens takes: what a serving engine's KV budget
         counts per request. Default: the formula, tokens x bytes_per_token."""
         return tokens * self.layout.bytes_per_token()
+
+    def held_bytes(self, rows: list[int]) -> int:
+        """K/V bytes these rows hold now, storage shared between them counted once: what a
+        serving engine's KV budget is charged. Default: `row_bytes` of each row's length."""
+        return sum(self.row_bytes(int(self.lengths[r])) for r in rows)
 
     def budget_bytes(self) -> int:
         """The most K/V bytes this cache can hold, every row together: a serving engine's

@@ -441,6 +441,11 @@ class PagedCache(KVCache):
         in full: an upper bound of what the row adds to the pool)."""
         return math.ceil(tokens / self.block_size) * self.block_bytes
 
+    def held_bytes(self, rows: list[int]) -> int:
+        """The distinct blocks these rows map (a shared prefix block counted once) x block_bytes."""
+        t = self.table[list(rows)]
+        return int(t[t >= 0].unique().numel()) * self.block_bytes
+
     def _free_from(self, keep: torch.Tensor) -> None:
         """Release each row's table entries from block index keep[b] [B] on."""
         drop = (torch.arange(self.table.shape[1])[None] >= keep[:, None]) & (self.table >= 0)  # [B, M]

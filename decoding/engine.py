@@ -2,11 +2,12 @@
 allows, decode together and leave when done; a finished request's cache row serves the
 next one at once.
 
-Every engine step builds at most two forwards from the running requests:
+Every engine step builds its forwards from the running requests:
 - one decode forward: each decoding request feeds its last token (one row per request;
   all cache rows ride along, the idle ones as padding, so a dense cache is read in place);
-- one prefill forward over the prefilling requests' rows only (`prepare(..., rows=)`,
-  cache/base.py): each takes its next chunk of prompt, within the step's token budget
+- prefill forwards over the prefilling requests' rows only (`prepare(..., rows=)`,
+  cache/base.py; a chunk of 64 tokens or more alone, shorter ones together): each takes
+  its next chunk of prompt, within the step's token budget
   (`token_budget` minus the decode rows, with policy `decode-first`), so a long prompt is
   spread over several steps and never stalls the decoding requests for long. With
   `policy: prefill-first` a step that has prefill work runs it with the whole budget and
@@ -14,8 +15,11 @@ Every engine step builds at most two forwards from the running requests:
 Why two forwards and not one mixed forward: the model's attention runs on padded [B, T]
 batches, so a decode row in a 256-token prefill forward would compute 256 queries.
 
-The KV budget (`kv_budget_mb`, default: what the cache holds at full capacity) is
-counted with the cache's own `row_bytes(tokens)` for every running request. A request is
+The KV budget (`kv_budget_mb`, default: what the cache can hold, `budget_bytes`) is
+charged what the running requests hold (`held_bytes`: a paged prefix block shared by
+several requests counts once) plus, before a step, what the step adds (`row_bytes`
+growth). Every backend is charged per token it holds (dense as if it allocated its rows
+as they grow: the most favourable accounting for dense). A request is
 admitted (FCFS, one free row, its prompt's bytes within the budget) and, when the next
 step would exceed the budget, the most recently admitted request is preempted: its row is
 released and it goes back to the head of the queue with what it generated; when
@@ -111,9 +115,6 @@ class _Running:
     @property
     def prefilling(self) -> bool:
         return self.fed < len(self.feed)
-
-    def cached_tokens(self, cache) -> int:
-        return int(cache.lengths[self.row])
 
 
 @dataclass
@@ -236,10 +237,13 @@ class Engine:
             res.finish_reason, res.error = "rejected", why
 
     def _used(self, extra: dict[int, int] | None = None) -> int:
-        """KV bytes the running requests hold (plus `extra` tokens per row)."""
-        extra = extra or {}
-        return sum(self.cache.row_bytes(r.cached_tokens(self.cache) + extra.get(row, 0))
-                   for row, r in self.running.items())
+        """KV bytes the running requests hold (shared storage once, `held_bytes`), plus what
+        `extra` more tokens per row would add (`row_bytes` growth: an upper bound)."""
+        c, grow = self.cache, 0
+        for row, n in (extra or {}).items():
+            have = int(c.lengths[row])
+            grow += c.row_bytes(have + n) - c.row_bytes(have)
+        return c.held_bytes(list(self.running)) + grow
 
     def _admit(self, requests, results, clock) -> None:
         """FCFS: admit the queue's head while a row is free and its prompt fits the budget."""
@@ -248,11 +252,14 @@ class Engine:
             i = self.waiting[0]
             req, res = requests[i], results[i]
             feed = list(req.prompt) + res.tokens  # after a preemption: recompute prompt + output
-            if self.running and self._used() + self.cache.row_bytes(len(feed) + 1) > self.kv_budget:
+            row = free[0]
+            reused = self.cache.reuse_prefix([feed], [row])[0]  # maps a cached prefix: charged once
+            grow = self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)
+            if self.running and self._used() + grow > self.kv_budget:
+                self.cache.release(row)
                 return
             self.waiting.popleft()
-            row = free.pop(0)
-            reused = self.cache.reuse_prefix([feed], [row])[0]
+            free.pop(0)
             if res.admitted_s is None:
                 res.admitted_s, res.prefix_reused = clock(), reused
             self._order += 1
@@ -309,8 +316,20 @@ class Engine:
         rows = [r.row for r in decode]
         self._emit(decode, self.decoder.start(logits[rows]).tolist(), clock)
 
+    #: a prefill chunk of at least this many tokens gets a forward of its own: it is
+    #: compute-bound, so splitting costs nothing, and it then pays no padding
+    OWN_FORWARD = 64
+
     def _prefill(self, chunks: list[tuple[_Running, int]], clock) -> None:
-        """One forward over the prefilling rows: each its next chunk (right-padded)."""
+        """The prefilling rows' next chunks: each long chunk in a forward of its own, the
+        short ones together (right-padded)."""
+        long = [[rc] for rc in chunks if rc[1] >= self.OWN_FORWARD]
+        short = [rc for rc in chunks if rc[1] < self.OWN_FORWARD]
+        for group in long + ([short] if short else []):
+            self._prefill_forward(group, clock)
+
+    def _prefill_forward(self, chunks: list[tuple[_Running, int]], clock) -> None:
+        """One forward over these prefilling rows, each its next chunk (right-padded)."""
         T, dev = max(c for _, c in chunks), self.model.device
         ids = torch.zeros(len(chunks), T, dtype=torch.long)
         valid = torch.zeros(len(chunks), T, dtype=torch.bool)
@@ -321,8 +340,8 @@ class Engine:
             # padding sits past the chunk (never at a valid position: a backend may write padding slots)
             pos[b] = (r.fed + torch.arange(T)).clamp(max=self.cache.capacity - 1)
         at = torch.tensor([[c - 1] for _, c in chunks])
-        logits = self.model(ids.to(dev), pos.to(dev), self.cache, valid=valid.to(dev), logit_index=at.to(dev),
-                            rows=[r.row for r, _ in chunks])[:, 0]  # [b, V]
+        logits = self.model(ids.to(dev), pos.to(dev), self.cache, valid=None if bool(valid.all()) else valid.to(dev),
+                            logit_index=at.to(dev), rows=[r.row for r, _ in chunks])[:, 0]  # [b, V]
         done = []
         for b, (r, c) in enumerate(chunks):
             r.fed += c

@@ -55,7 +55,7 @@ def check(cfg: DictConfig) -> None:
     if cfg.trace not in TRACES:
         p.append(f"trace must be one of {list(TRACES)}, got {cfg.trace!r}")
     p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
-                                    "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0})
+                                    "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0})
     try:
         rates = rates_of(cfg)
         p += [f"rates must be > 0 requests/s (inf: all at once), got {r}" for r in rates if not r > 0]
@@ -75,7 +75,7 @@ def check(cfg: DictConfig) -> None:
     p += [f"backend {b!r} does not exist; the cache options are {harness.group_options('cache')}" for b in unknown]
     probe = harness._probe_layout()
     for b in (b for b in cfg.backends if b not in unknown):
-        cache = harness.collect(p, lambda b=b: harness.cache_factory(b)(probe, 2, 128))
+        cache = harness.collect(p, lambda b=b: factory_of(cfg, b)(probe, 2, 128))
         if cache is not None:
             p += [f"backend {b}: {r}" for r in engine_problems(cache, harness.collect(p, lambda: decoder_of(cfg)),
                                                                 cfg.token_budget, cfg.policy)
@@ -92,6 +92,11 @@ def check(cfg: DictConfig) -> None:
 
 def decoder_of(cfg: DictConfig):
     return instantiate_unwrapped(cfg.decoder)
+
+
+def factory_of(cfg: DictConfig, backend: str):
+    """The cache factory of conf/cache/<backend>.yaml with `backend_options[backend]` over it."""
+    return harness.cache_factory(backend, **(cfg.backend_options or {}).get(backend, {}))
 
 
 # -- traces ---------------------------------------------------------------------------------
@@ -157,13 +162,14 @@ def metrics(result, slo) -> dict:
             **_pcts([r.tpot_s for r in done], "tpot"), **_pcts([x for r in done for x in r.itl_s()], "itl"),
             **_pcts([r.e2e_s for r in done], "e2e"), "preemptions": result.preemptions, "steps": result.steps,
             "max_running": max((t["running"] for t in result.timeline), default=0),
+            "mean_running": statistics.fmean(t["running"] for t in result.timeline) if result.timeline else 0.0,
             "kv_util_mean": statistics.fmean(util) if util else 0.0, "kv_util_max": max(util, default=0.0),
             "prefix_reused_tokens": sum(r.prefix_reused for r in done)}
 
 
 # -- one run --------------------------------------------------------------------------------
 def engine_for(cfg: DictConfig, lm, backend: str, capacity: int) -> Engine:
-    cache = make_cache(lm.model, cfg.max_running, capacity, harness.cache_factory(backend))
+    cache = make_cache(lm.model, cfg.max_running, capacity, factory_of(cfg, backend))
     return Engine(lm.model, cache, decoder_of(cfg), token_budget=cfg.token_budget, policy=cfg.policy,
                   chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb)
 
@@ -173,6 +179,14 @@ def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, s
     return engine.run([Request(p, n, t, id=i) for i, ((p, n), t) in enumerate(zip(reqs, times))])
 
 
+def unloaded(engine: Engine, reqs) -> dict:
+    """TTFT and ITL of requests served one at a time (an empty engine each): the unloaded
+    reference the loaded runs are read against."""
+    done = [serve_once(engine, [r], math.inf, 0).requests[0] for r in reqs]
+    return {f"unloaded_{k}": v for k, v in (_pcts([r.ttft_s for r in done], "ttft") |
+                                             _pcts([x for r in done for x in r.itl_s()], "itl")).items()}
+
+
 def request_records(result, backend: str, rate: float, run: str) -> list[dict]:
     return [{"kind": "prompt", "run": run, "backend": backend, "rate": rate, "id": r.id, "prompt_len": r.prompt_len,
              "output_len": len(r.tokens), "arrival_s": r.arrival_s, "ttft_s": r.ttft_s, "queue_s": r.queue_s,
@@ -180,17 +194,18 @@ def request_records(result, backend: str, rate: float, run: str) -> list[dict]:
              "error": r.error, "token_times": r.token_times} for r in result.requests]
 
 
-def side_by_side(cfg: DictConfig, lm, reqs, result) -> dict:
-    """At rate inf: transformers' generate_batch on the same requests, and requests decoded
-    alone by the static loop; token identity against the engine's outputs."""
+def side_by_side(cfg: DictConfig, lm, reqs, result, backend: str, first: bool) -> dict:
+    """At rate inf: `check_alone` requests decoded alone by the static loop on the same
+    backend, and (first backend) transformers' generate_batch on the same requests; token
+    identity against the engine's outputs."""
     ours = [r.tokens for r in result.requests]
     out = {}
     if cfg.check_alone:
-        n = min(cfg.check_alone, len(reqs))
-        alone = [generate(lm.model, make_cache(lm.model, 1, len(p) + k), decoder_of(cfg), [p], k).tokens[0]
+        n, factory = min(cfg.check_alone, len(reqs)), factory_of(cfg, backend)
+        alone = [generate(lm.model, make_cache(lm.model, 1, len(p) + k, factory), decoder_of(cfg), [p], k).tokens[0]
                  for p, k in reqs[:n]]
         out.update(alone_checked=n, alone_identical=sum(a == b for a, b in zip(alone, ours)))
-    if cfg.compare_transformers:
+    if cfg.compare_transformers and first:
         hf = hf_model_for(lm)
         hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
         got = hf_generate_batch(hf, [p for p, _ in reqs], [k for _, k in reqs])
@@ -257,11 +272,12 @@ def run(cfg: DictConfig, out: Path) -> None:
             continue
         engine = engine_for(cfg, lm, backend, capacity)
         serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
+        alone = unloaded(engine, reqs[:cfg.unloaded]) if cfg.unloaded else {}
         for rate in rates_of(cfg):
             result = serve_once(engine, reqs, rate, cfg.seed)
-            m = metrics(result, cfg.slo) | {"kv_budget_mb": result.kv_budget_bytes / 2**20}
-            if math.isinf(rate) and backend == cfg.backends[0]:
-                m |= side_by_side(cfg, lm, reqs, result)
+            m = metrics(result, cfg.slo) | {"kv_budget_mb": result.kv_budget_bytes / 2**20} | alone
+            if math.isinf(rate):
+                m |= side_by_side(cfg, lm, reqs, result, backend, backend == cfg.backends[0])
             setup = {"name": f"{cfg.trace} {backend} rate={rate:g}", "cache": backend, "rate": rate,
                      "trace": cfg.trace, "requests": len(reqs), "max_running": cfg.max_running,
                      "token_budget": cfg.token_budget, "policy": cfg.policy, "chunked_prefill": cfg.chunked_prefill}

@@ -48,9 +48,11 @@ def requests(prompts, spread: float = 0.0) -> list[Request]:
             for i, p in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("backend", list(SERVING))
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-@pytest.mark.parametrize("token_budget,policy", [(6, "decode-first"), (256, "decode-first"), (8, "prefill-first")])
+CASES = ([("llama", b, 6, "decode-first") for b in SERVING] + [("gemma3", b, 256, "decode-first") for b in SERVING]
+         + [(n, "paged", 8, "prefill-first") for n in ("llama", "gemma3")])
+
+
+@pytest.mark.parametrize("name,backend,token_budget,policy", CASES)
 def test_engine_output_equals_each_request_alone(tiny_models, alone, name, backend, token_budget, policy):
     m = tiny_models[name].model
     prompts, expected = alone[name, backend]
@@ -187,3 +189,18 @@ def test_a_forward_over_a_subset_of_rows_equals_the_full_batch(tiny_models):
             got = m(ids[rows], pos[rows], c, rows=rows)[:, -1]
             torch.testing.assert_close(got, ref[rows], rtol=0, atol=1e-5)
             assert c.lengths.tolist() == [20 if r in rows else 0 for r in range(3)]
+
+
+def test_a_shared_prefix_is_charged_once(tiny_models):
+    """Paged `held_bytes` counts a block two rows map once; the engine admits by it."""
+    m = tiny_models["llama"].model
+    c = cache_for(m, 2, 64, functools.partial(PagedCache, block_size=8))
+    system = random_ids(32, seed=5)
+    prompts = [system + [1, 2, 3], system + [4, 5]]  # 35 and 34 tokens
+    generate(m, c, greedy(), prompts, 1)  # registers the prompt blocks
+    generate(m, c, greedy(), prompts, 1)  # both rows map the 4 cached blocks of the system prompt
+    assert c.held_bytes([0, 1]) == (4 + 1 + 1) * c.block_bytes  # 4 shared blocks, one own block each
+    assert c.held_bytes([0]) == 5 * c.block_bytes
+    d = cache_for(m, 2, 64)
+    d.prepare(torch.arange(10).expand(2, -1))
+    assert d.held_bytes([0, 1]) == 2 * d.row_bytes(10) == 20 * d.layout.bytes_per_token()

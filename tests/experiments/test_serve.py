@@ -81,3 +81,12 @@ def test_interference_runs_chunked_and_whole_side_by_side(tmp_path):
     for s in (chunked, whole):
         assert s["metrics"]["completed"] == 6 and s["metrics"]["long_prompt_ttft_ms"] > 0
     assert [p["output_len"] for p in chunked["prompts"]] == [p["output_len"] for p in whole["prompts"]]
+
+
+def test_int4_with_options_and_the_unloaded_reference(tmp_path):
+    run(config("backends=[int4]", "+backend_options={int4: {residual: 8, flush: 16, group_size: 32, rollback: 0}}",
+               "unloaded=2", "check_alone=0"), tmp_path)
+    (s,) = read_results(tmp_path / "results.jsonl")
+    assert s["setup"]["cache"] == "int4" and s["metrics"]["completed"] == 6
+    assert s["metrics"]["unloaded_ttft_p50_ms"] > 0 and s["metrics"]["unloaded_itl_p50_ms"] > 0
+    assert s["config"]["backend_options"]["int4"]["residual"] == 8
