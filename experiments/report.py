@@ -47,7 +47,8 @@ HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "i
 # -- loading -------------------------------------------------------------------------------
 def read_results(path: str | Path) -> list[dict]:
     """The summary records of one `results.jsonl`, with their prompt lines (same `run`) as `prompts`,
-    their engine steps (serve) as `timeline` and the file as `path`; a non-object line is skipped with a warning, an unfinished run gives []."""
+    their engine steps (serve) as `timeline` and the file as `path`; a non-object line is skipped
+    with a warning, an unfinished run gives []."""
     path = Path(path)
     summaries, prompts, timelines = [], {}, {}
     try:

@@ -8,8 +8,9 @@
 A trace is a list of requests (prompt ids and an output length: ShareGPT's reply lengths
 capped at `max_output_tokens`, a synthetic range, or ShareGPT prompts behind one shared
 system prompt; `interference`: synthetic requests at t = 0 and one long prompt arriving
-mid-stream, served with and without chunked prefill); for each request rate (Poisson arrivals, `inf` = all at t = 0) and cache
-backend, the continuous-batching engine (decoding/engine.py) serves the whole trace,
+mid-stream, served with and without chunked prefill); for each request rate (Poisson
+arrivals, `inf` = all at t = 0) and cache backend, the continuous-batching engine
+(decoding/engine.py) serves the whole trace,
 ignoring EOS so every request generates exactly its length (as vLLM's benchmark does).
 Per request: TTFT from arrival (split into queue wait and prefill), TPOT, ITL, end-to-end
 latency; per run: output and total tok/s, requests/s, goodput under the SLO (`slo.ttft_s`,
@@ -27,7 +28,6 @@ import random
 import statistics
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.decoding.engine import POLICIES, Engine, Request, engine_problems
@@ -55,7 +55,8 @@ def check(cfg: DictConfig) -> None:
     if cfg.trace not in TRACES:
         p.append(f"trace must be one of {list(TRACES)}, got {cfg.trace!r}")
     p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
-                                    "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0})
+                                    "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0,
+                                    "repeats": 1})
     try:
         rates = rates_of(cfg)
         p += [f"rates must be > 0 requests/s (inf: all at once), got {r}" for r in rates if not r > 0]
@@ -194,9 +195,44 @@ def request_records(result, backend: str, rate: float, run: str) -> list[dict]:
              "error": r.error, "token_times": r.token_times} for r in result.requests]
 
 
-def side_by_side(cfg: DictConfig, lm, reqs, result, backend: str, first: bool) -> dict:
-    """At rate inf: `check_alone` requests decoded alone by the static loop on the same
-    backend, and (first backend) transformers' generate_batch on the same requests; token
+def offline(cfg: DictConfig, lm, engine: Engine, reqs, first: bool) -> tuple:
+    """At rate inf, `repeats` times: the engine, then (beside the first backend, with
+    `compare_transformers`) transformers' generate_batch on the same requests, alternating.
+    The engine run of median output tok/s, and the side-by-side metrics (medians, every
+    repeat's tok/s listed)."""
+    hf = hf_model_for(lm) if cfg.compare_transformers and first else None
+    if hf is not None:
+        hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
+    ours, theirs = [], []
+    for _ in range(cfg.repeats):
+        ours.append(serve_once(engine, reqs, math.inf, cfg.seed))
+        if hf is not None:
+            theirs.append(hf_generate_batch(hf, [p for p, _ in reqs], [k for _, k in reqs]))
+    tok_s = [sum(len(r.tokens) for r in x.requests) / x.wall_s for x in ours]
+    result = ours[sorted(range(len(ours)), key=tok_s.__getitem__)[len(ours) // 2]]
+    out = {"output_tok_s_repeats": tok_s}
+    if theirs:
+        out |= transformers_metrics(theirs, [r.tokens for r in result.requests])
+        out["output_tok_s_over_hf"] = statistics.median(tok_s) / out["hf_output_tok_s"]
+    return result, out
+
+
+def transformers_metrics(runs: list[dict], ours: list[list[int]]) -> dict:
+    """generate_batch's output tok/s (whole call, and generation alone: `gen_s`), TTFT from
+    its own timestamps (median run), token identity with ours (every run)."""
+    n_out = sum(len(t) for t in runs[0]["tokens"])
+    walls = [n_out / g["wall_s"] for g in runs]
+    mid = runs[sorted(range(len(runs)), key=walls.__getitem__)[len(runs) // 2]]
+    ttft = sorted(t for t in mid["ttft_s"] if t is not None)
+    return {"hf_output_tok_s": statistics.median(walls), "hf_output_tok_s_repeats": walls,
+            "hf_gen_output_tok_s": statistics.median(n_out / g["gen_s"] for g in runs),
+            "hf_ttft_p50_ms": percentile(ttft, 50), "hf_ttft_p99_ms": percentile(ttft, 99),
+            "hf_identical": min(sum(a == b for a, b in zip(g["tokens"], ours)) for g in runs),
+            "hf_requests": len(ours)}
+
+
+def alone_check(cfg: DictConfig, lm, reqs, result, backend: str) -> dict:
+    """`check_alone` requests decoded alone by the static loop on the same backend: token
     identity against the engine's outputs."""
     ours = [r.tokens for r in result.requests]
     out = {}
@@ -205,15 +241,6 @@ def side_by_side(cfg: DictConfig, lm, reqs, result, backend: str, first: bool) -
         alone = [generate(lm.model, make_cache(lm.model, 1, len(p) + k, factory), decoder_of(cfg), [p], k).tokens[0]
                  for p, k in reqs[:n]]
         out.update(alone_checked=n, alone_identical=sum(a == b for a, b in zip(alone, ours)))
-    if cfg.compare_transformers and first:
-        hf = hf_model_for(lm)
-        hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
-        got = hf_generate_batch(hf, [p for p, _ in reqs], [k for _, k in reqs])
-        n_out = sum(len(t) for t in got["tokens"])
-        ttft = sorted(t for t in got["ttft_s"] if t is not None)
-        out.update(hf_output_tok_s=n_out / got["wall_s"], hf_gen_output_tok_s=n_out / got["gen_s"],
-                   hf_wall_s=got["wall_s"], hf_ttft_p50_ms=percentile(ttft, 50), hf_ttft_p99_ms=percentile(ttft, 99),
-                   hf_identical=sum(a == b for a, b in zip(got["tokens"], ours)), hf_requests=len(reqs))
     return out
 
 
@@ -274,10 +301,13 @@ def run(cfg: DictConfig, out: Path) -> None:
         serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
         alone = unloaded(engine, reqs[:cfg.unloaded]) if cfg.unloaded else {}
         for rate in rates_of(cfg):
-            result = serve_once(engine, reqs, rate, cfg.seed)
-            m = metrics(result, cfg.slo) | {"kv_budget_mb": result.kv_budget_bytes / 2**20} | alone
+            side = {}
             if math.isinf(rate):
-                m |= side_by_side(cfg, lm, reqs, result, backend, backend == cfg.backends[0])
+                result, side = offline(cfg, lm, engine, reqs, backend == cfg.backends[0])
+                side |= alone_check(cfg, lm, reqs, result, backend)
+            else:
+                result = serve_once(engine, reqs, rate, cfg.seed)
+            m = metrics(result, cfg.slo) | {"kv_budget_mb": result.kv_budget_bytes / 2**20} | alone | side
             setup = {"name": f"{cfg.trace} {backend} rate={rate:g}", "cache": backend, "rate": rate,
                      "trace": cfg.trace, "requests": len(reqs), "max_running": cfg.max_running,
                      "token_budget": cfg.token_budget, "policy": cfg.policy, "chunked_prefill": cfg.chunked_prefill}

@@ -4,6 +4,7 @@ the static loop, results read by report; bad trace options refused before weight
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -84,9 +85,19 @@ def test_interference_runs_chunked_and_whole_side_by_side(tmp_path):
 
 
 def test_int4_with_options_and_the_unloaded_reference(tmp_path):
-    run(config("backends=[int4]", "+backend_options={int4: {residual: 8, flush: 16, group_size: 32, rollback: 0}}",
+    run(config("backends=[int4]", "+backend_options={int4: {residual: 8, flush: 32, group_size: 32, rollback: 0}}",
                "unloaded=2", "check_alone=0"), tmp_path)
     (s,) = read_results(tmp_path / "results.jsonl")
     assert s["setup"]["cache"] == "int4" and s["metrics"]["completed"] == 6
     assert s["metrics"]["unloaded_ttft_p50_ms"] > 0 and s["metrics"]["unloaded_itl_p50_ms"] > 0
     assert s["config"]["backend_options"]["int4"]["residual"] == 8
+
+
+def test_offline_repeats_side_by_side_with_transformers(tmp_path):
+    run(config("backends=[paged]", "compare_transformers=true", "repeats=2", "check_alone=0"), tmp_path)
+    (s,) = read_results(tmp_path / "results.jsonl")
+    m = s["metrics"]
+    assert len(m["output_tok_s_repeats"]) == 2 and len(m["hf_output_tok_s_repeats"]) == 2
+    assert m["hf_identical"] == m["hf_requests"] == 6  # transformers' greedy = ours, every repeat
+    assert m["output_tok_s_over_hf"] == pytest.approx(statistics.median(m["output_tok_s_repeats"]) /
+                                                      statistics.median(m["hf_output_tok_s_repeats"]))
