@@ -75,6 +75,14 @@ class ModelDrafter:
         self.pending = [[] for _ in prompts]  # accepted tokens the draft has not fed yet
 
     @torch.no_grad()
+    def admit(self, row: int, tokens: list[int]) -> None:
+        """Start row `row` over with `tokens` (a serving engine admitted a request there): the
+        row is released and `tokens` prefilled into it (the shared prefill, that row only)."""
+        self.cache.release(row)
+        prefill(self.model, self.cache, [tokens], rows=[row])
+        self.pending[row] = []
+
+    @torch.no_grad()
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
         """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
         feeds = [p + [int(t)] for p, t in zip(self.pending, last.tolist())]
@@ -137,6 +145,10 @@ class PromptLookupDrafter:
 
     def begin(self, prompts: list[list[int]], capacity: int) -> None:
         self.history = [list(p) for p in prompts]
+
+    def admit(self, row: int, tokens: list[int]) -> None:
+        """Start row `row` over with `tokens` (a serving engine admitted a request there)."""
+        self.history[row] = list(tokens)
 
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
         """Deterministic proposals [B, G] and their one-hot q [B, G, V]."""

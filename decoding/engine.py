@@ -31,10 +31,18 @@ common prompt prefix (a system prompt) into the new row instead of computing the
 A request that can never run (longer than a row or than the whole budget, bad token ids)
 is rejected on arrival with its reason; the others are served.
 
-The static `generate` (decoding/generate.py) stays the loop for everything the engine
-does not serve: speculative decoders, the int4 and sliding backends (they cannot release
-one row), stop strings and streaming. Its greedy output is the engine's "all requests at
-t = 0" output (tests/decoding/test_engine.py checks it token for token).
+Speculative decoders run inside the engine: each step is one draft-and-verify round over
+the decoding rows (the others frozen), each request keeping its own accepted drafts; a
+drafter starts an admitted request's row over (`admit`: a draft model prefills its own
+cache row). The draft model's cache is not charged to the KV budget.
+
+Why the static `generate` (decoding/generate.py) is not a thin call into the engine: it
+serves what the engine does not (the sliding backend, which cannot release one row; stop
+strings and streaming text; chunked prefill of a whole static batch in one forward), and
+its prefill of a static batch is one padded forward where the engine runs one forward per
+long chunk, so their logits differ by float summation order. Its greedy output is the
+engine's "all requests at t = 0" output (tests/decoding/test_engine.py checks it token
+for token).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodelab.decoding.prefill import token_id_problems
+from decodelab.decoding.prefill import prefill, token_id_problems
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 
 POLICIES = ("decode-first", "prefill-first")
@@ -136,9 +144,9 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     if not getattr(cache, "serves_row_subsets", False):
         p.append(f"the {type(cache).__name__} backend cannot serve continuous batching: "
                  f"{getattr(cache, 'row_subset_reason', 'it declares no row release')}")
-    if getattr(decoder, "needs_drafter", False):
-        p.append("speculative decoding inside the serving engine is not built yet: serve with decoder=greedy or "
-                 "decoder=sampling (the static generate loop runs speculative decoding)")
+    if not callable(getattr(decoder, "admit", None)):
+        p.append(f"decoder {decoder!r} cannot serve requests that come and go: it has no `admit(row, tokens)` "
+                 "(decoding/decoders.py)")
     if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
         p.append(f"token_budget must be an integer >= 1 (tokens per engine step), got {token_budget!r}")
     if policy not in POLICIES:
@@ -161,7 +169,8 @@ class Engine:
     def __init__(self, model, cache, decoder, token_budget: int = 256, policy: str = "decode-first",
                  chunked_prefill: bool = True, kv_budget_mb: float | None = None, max_running: int | None = None,
                  eos_ids=()):
-        raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb))
+        raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb)
+                 + decoder.problems(model, cache))
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
@@ -177,7 +186,7 @@ class Engine:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             p.append(f"max_new_tokens must be an integer >= 1, got {n!r}")
         elif not p:
-            need = len(req.prompt) + n
+            need = len(req.prompt) + n + self.decoder.lookahead  # a verify writes past the output
             if need > min(self.cache.capacity, self.model.cfg.max_seq_len):
                 p.append(f"prompt ({len(req.prompt)}) + max_new_tokens ({n}) = {need} tokens exceeds a cache row "
                          f"({self.cache.capacity}) or the model's context ({self.model.cfg.max_seq_len})")
@@ -195,7 +204,8 @@ class Engine:
                    for i, r in enumerate(requests)]
         pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
         self.cache.reset()
-        self.decoder.begin(self.model.device, [[0]], self.cache.capacity)
+        # one placeholder token per row: each request's row is filled when it is admitted (`admit`)
+        self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity)
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request
         self._order, timeline, preempted, steps = 0, [], 0, 0
@@ -237,10 +247,13 @@ class Engine:
             res.finish_reason, res.error = "rejected", why
 
     def _used(self, extra: dict[int, int] | None = None) -> int:
-        """KV bytes the running requests hold (shared storage once, `held_bytes`), plus what
-        `extra` more tokens per row would add (`row_bytes` growth: an upper bound)."""
-        c, grow = self.cache, 0
-        for row, n in (extra or {}).items():
+        """KV bytes the running requests hold (shared storage once, `held_bytes`), plus the
+        rest of each prefilling request's prompt (reserved when it was admitted) and what
+        `extra` more tokens per decoding row would add (`row_bytes` growth: an upper bound)."""
+        c = self.cache
+        more = {r.row: len(r.feed) + 1 - r.fed for r in self.running.values() if r.prefilling} | (extra or {})
+        grow = 0
+        for row, n in more.items():
             have = int(c.lengths[row])
             grow += c.row_bytes(have + n) - c.row_bytes(have)
         return c.held_bytes(list(self.running)) + grow
@@ -254,12 +267,13 @@ class Engine:
             feed = list(req.prompt) + res.tokens  # after a preemption: recompute prompt + output
             row = free[0]
             reused = self.cache.reuse_prefix([feed], [row])[0]  # maps a cached prefix: charged once
-            grow = self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)
+            grow = self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)  # its prompt, reserved
             if self.running and self._used() + grow > self.kv_budget:
                 self.cache.release(row)
                 return
             self.waiting.popleft()
             free.pop(0)
+            self.decoder.admit(row, feed)  # a drafter starts the row's sequence (its draft cache: prefilled)
             if res.admitted_s is None:
                 res.admitted_s, res.prefix_reused = clock(), reused
             self._order += 1
@@ -269,9 +283,8 @@ class Engine:
         """Preempt the latest admitted requests until the next step's growth fits the budget."""
         n = 0
         while len(self.running) > 1:
-            decode, chunks = self._plan()
-            extra = {r.row: 1 for r in decode} | {r.row: c for r, c in chunks}
-            if self._used(extra) <= self.kv_budget:
+            decode, _ = self._plan()
+            if self._used({r.row: max(1, self.decoder.lookahead) for r in decode}) <= self.kv_budget:
                 break
             self._preempt(max(self.running.values(), key=lambda r: r.order))
             n += 1
@@ -305,7 +318,10 @@ class Engine:
         return decode, chunks
 
     def _decode(self, decode: list[_Running], clock) -> None:
-        """One forward over every cache row; the decoding requests feed their last token."""
+        """One forward over every cache row; the decoding requests feed their last token
+        (a speculative decoder drafts, verifies and may emit several)."""
+        if self.decoder.lookahead:
+            return self._speculate(decode, clock)
         B, dev = self.cache.batch_size, self.model.device
         last = torch.zeros(B, 1, dtype=torch.long)
         valid = torch.zeros(B, 1, dtype=torch.bool)
@@ -314,7 +330,22 @@ class Engine:
             last[r.row, 0], valid[r.row, 0] = r.res.tokens[-1], True
         logits = self.model(last.to(dev), pos.to(dev), self.cache, valid=valid.to(dev))[:, -1]  # [B, V]
         rows = [r.row for r in decode]
-        self._emit(decode, self.decoder.start(logits[rows]).tolist(), clock)
+        self._emit(decode, [[t] for t in self.decoder.start(logits[rows]).tolist()], clock)
+
+    def _speculate(self, decode: list[_Running], clock) -> None:
+        """One draft-and-verify round of the decoder over every cache row; the rows that are
+        not decoding are frozen (their caches do not grow)."""
+        B = self.cache.batch_size
+        last = torch.zeros(B, dtype=torch.long)
+        done = [True] * B
+        for r in decode:
+            last[r.row], done[r.row] = r.res.tokens[-1], False
+        left = max(r.req.max_new_tokens - len(r.res.tokens) for r in decode)
+        produced = self.decoder.step(self.model, self.cache, last.to(self.model.device), done=done, left=left)
+        kept = [0] * B
+        for r, n in zip(decode, self._emit(decode, [produced[r.row] for r in decode], clock)):
+            kept[r.row] = n
+        self.decoder.output_kept(kept)
 
     #: a prefill chunk of at least this many tokens gets a forward of its own: it is
     #: compute-bound, so splitting costs nothing, and it then pays no padding
@@ -329,19 +360,10 @@ class Engine:
             self._prefill_forward(group, clock)
 
     def _prefill_forward(self, chunks: list[tuple[_Running, int]], clock) -> None:
-        """One forward over these prefilling rows, each its next chunk (right-padded)."""
-        T, dev = max(c for _, c in chunks), self.model.device
-        ids = torch.zeros(len(chunks), T, dtype=torch.long)
-        valid = torch.zeros(len(chunks), T, dtype=torch.bool)
-        pos = torch.zeros(len(chunks), T, dtype=torch.long)
-        for b, (r, c) in enumerate(chunks):
-            ids[b, :c] = torch.as_tensor(r.feed[r.fed:r.fed + c])
-            valid[b, :c] = True
-            # padding sits past the chunk (never at a valid position: a backend may write padding slots)
-            pos[b] = (r.fed + torch.arange(T)).clamp(max=self.cache.capacity - 1)
-        at = torch.tensor([[c - 1] for _, c in chunks])
-        logits = self.model(ids.to(dev), pos.to(dev), self.cache, valid=None if bool(valid.all()) else valid.to(dev),
-                            logit_index=at.to(dev), rows=[r.row for r, _ in chunks])[:, 0]  # [b, V]
+        """One forward over these prefilling rows, each its next chunk: THE prefill
+        (decoding/prefill.py) on those rows; a request whose prompt is done emits its first token."""
+        logits = prefill(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in chunks],
+                         rows=[r.row for r, _ in chunks])  # [b, V]
         done = []
         for b, (r, c) in enumerate(chunks):
             r.fed += c
@@ -349,17 +371,24 @@ class Engine:
                 done.append(b)
                 self.cache.remember_prefix([r.feed], [r.row])
         if done:
-            self._emit([chunks[b][0] for b in done], self.decoder.start(logits[done]).tolist(), clock)
+            self._emit([chunks[b][0] for b in done], [[t] for t in self.decoder.start(logits[done]).tolist()], clock)
 
-    def _emit(self, rs: list[_Running], tokens: list[int], clock) -> None:
-        now = clock()
-        for r, t in zip(rs, tokens):
-            r.res.tokens.append(t)
-            r.res.token_times.append(now)
-            if t in self.eos or len(r.res.tokens) >= r.req.max_new_tokens:
-                r.res.finish_reason = "eos" if t in self.eos else "length"
-                self.cache.release(r.row)
-                del self.running[r.row]
+    def _emit(self, rs: list[_Running], tokens: list[list[int]], clock) -> list[int]:
+        """Append each request's new tokens (stopping at EOS or max_new_tokens: a finished
+        request's row is released at once); how many each kept."""
+        now, kept = clock(), []
+        for r, produced in zip(rs, tokens):
+            before = len(r.res.tokens)
+            for t in produced:
+                r.res.tokens.append(t)
+                r.res.token_times.append(now)
+                if t in self.eos or len(r.res.tokens) >= r.req.max_new_tokens:
+                    r.res.finish_reason = "eos" if t in self.eos else "length"
+                    self.cache.release(r.row)
+                    del self.running[r.row]
+                    break
+            kept.append(len(r.res.tokens) - before)
+        return kept
 
 
 def _len(prompt) -> int:

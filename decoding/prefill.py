@@ -6,7 +6,7 @@ import operator
 
 import torch
 
-from decodelab.models.errors import raise_if
+from decodelab.models.errors import SetupError, raise_if
 
 
 def token_id_problems(prompts, vocab_size: int) -> list[str]:
@@ -73,9 +73,12 @@ def pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = None) -> torch.Tensor:
+def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = None,
+            rows: list[int] | None = None) -> torch.Tensor:
     """Run the prompts [B][n_b] through the model after what each row already holds
-    (`cache.lengths`); return the logits [B, V] of each row's last prompt position.
+    (`cache.lengths`); return the logits [B, V] of each row's last prompt position. With
+    `rows` [B], the prompts go to those cache rows only (the others are not touched: a
+    serving engine prefills an admitted request's row, or its next chunk).
 
     Rows are right-padded; padding is marked invalid, sits at later positions than any
     real token of its row, and is overwritten by the first decode step, so it never
@@ -83,26 +86,38 @@ def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = Non
     positions (same logits as one pass, smaller peak memory). A backend with a prefix
     cache maps already-cached prompt blocks first; only the rest is computed."""
     raise_if(token_id_problems(prompts, model.cfg.vocab_size))  # before the cache is touched
-    fresh = bool((cache.lengths == 0).all())  # prompts start at position 0: a prefix cache applies
-    reused = cache.reuse_prefix(prompts) if fresh else [0] * len(prompts)
-    logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size)
+    held = cache.lengths if rows is None else cache.lengths[list(rows)]
+    fresh = bool((held == 0).all())  # prompts start at position 0: a prefix cache applies
+    reused = cache.reuse_prefix(prompts, rows) if fresh else [0] * len(prompts)
+    logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size, rows)
     if fresh:
-        cache.remember_prefix(prompts)
+        cache.remember_prefix(prompts, rows)
     return logits
 
 
-def _run(model, cache, prompts: list[list[int]], chunk_size: int | None) -> torch.Tensor:
+def _run(model, cache, prompts: list[list[int]], chunk_size: int | None, rows=None) -> torch.Tensor:
     ids, n = pad_prompts(prompts, model.device)
     B, T = ids.shape
     offsets = torch.arange(T)
-    positions = (cache.lengths[:, None] + offsets).to(model.device)  # [B, T]
-    valid = (offsets[None, :] < n[:, None]).to(model.device)  # [B, T]
+    held = cache.lengths if rows is None else cache.lengths[list(rows)]
+    valid = offsets[None, :] < n[:, None]  # [B, T]
+    # padding sits after its row's tokens, never at a valid position (a backend may write
+    # padding slots), within the capacity: a padded row needs one free slot after its tokens
+    full = (held + n >= cache.capacity) & (n < T)  # [B]
+    if bool(full.any()):
+        raise SetupError(f"rows {torch.nonzero(full).flatten().tolist()} would fill the cache to its capacity "
+                         f"({cache.capacity}) in a padded forward, leaving no slot for their padding; prefill them "
+                         "alone or build the cache one token larger")
+    positions = torch.where(valid, held[:, None] + offsets, (held[:, None] + offsets).clamp(max=cache.capacity - 1))
+    positions, valid = positions.to(model.device), valid.to(model.device)
     step = chunk_size or T
     last = None
+    kw = {} if rows is None else {"rows": list(rows)}
     for s in range(0, T, step):
         e = min(s + step, T)
         inside = (n - 1 >= s) & (n - 1 < e)  # [B] rows whose last token is in this chunk
         at = (n - 1 - s).clamp(0, e - s - 1)[:, None].to(model.device)  # [B, 1]
-        logits = model(ids[:, s:e], positions[:, s:e], cache, valid=valid[:, s:e], logit_index=at)[:, 0]
+        chunk_valid = None if bool(valid[:, s:e].all()) else valid[:, s:e]
+        logits = model(ids[:, s:e], positions[:, s:e], cache, valid=chunk_valid, logit_index=at, **kw)[:, 0]
         last = logits if last is None else torch.where(inside[:, None].to(model.device), logits, last)
     return last

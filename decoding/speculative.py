@@ -210,6 +210,11 @@ class SpeculativeDecoder:
 
         return choose(logits, self.params, self.generator)
 
+    def admit(self, row: int, tokens: list[int]) -> None:
+        """A serving engine starts a new sequence (`tokens` so far) in cache row `row`: the
+        drafter starts that row over from them (a draft model prefills its own cache row)."""
+        self.drafter.admit(row, tokens)
+
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
              left: int | None = None) -> list[list[int]]:

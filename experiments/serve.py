@@ -244,34 +244,41 @@ def alone_check(cfg: DictConfig, lm, reqs, result, backend: str) -> dict:
     return out
 
 
-def interference_metrics(result) -> dict:
+def steady_itl(result) -> list[float]:
+    """ITLs once every request has its first token (decode steps only, no prefill)."""
+    start = max(r.token_times[0] for r in result.requests if r.token_times)
+    return [b - a for r in result.requests for a, b in zip(r.token_times, r.token_times[1:]) if a >= start]
+
+
+def interference_metrics(result, unloaded_itl: list[float]) -> dict:
     """ITL of the other requests while the long prompt (the last request) waits and
-    prefills (from its arrival to its first token), against their ITL before it arrived."""
+    prefills (from its arrival to its first token), against `unloaded_itl`: the same
+    requests' decode-only ITLs served without the long prompt."""
     long = result.requests[-1]
     if not long.token_times:
         return {}
     start, end = long.arrival_s, long.token_times[0]
-    before, during = [], []
-    for r in result.requests[:-1]:
-        for a, b in zip(r.token_times, r.token_times[1:]):
-            (before if b < start else during if a < end and b >= start else []).append(b - a)
-    p = _pcts(during, "itl_during_long")
-    base = statistics.median(before) if before else None
-    return {**p, "itl_before_long_p50_ms": None if base is None else 1e3 * base,
-            "itl_p99_over_unloaded": None if not base or p["itl_during_long_p99_ms"] is None
-            else p["itl_during_long_p99_ms"] / (1e3 * base), "long_prompt_ttft_ms": 1e3 * long.ttft_s}
+    during = [b - a for r in result.requests[:-1] for a, b in zip(r.token_times, r.token_times[1:])
+              if a < end and b >= start]
+    p = _pcts(during, "itl_during_long") | _pcts(unloaded_itl, "itl_unloaded")
+    ratio = lambda q: p["itl_during_long_p99_ms"] / p[f"itl_unloaded_p{q}_ms"] if during else None  # noqa: E731
+    return p | {"itl_p99_over_unloaded_p50": ratio(50), "itl_p99_over_unloaded_p99": ratio(99),
+                "long_prompt_ttft_ms": 1e3 * long.ttft_s}
 
 
 def interference(cfg: DictConfig, lm, reqs, backend: str, capacity: int, conditions: dict, run_id: str) -> list:
     """The synthetic requests at t = 0 and the long prompt at `interference.at_s`, served
-    with chunked prefill and without, side by side: summaries and request records."""
+    with chunked prefill and without, side by side, and the synthetic requests alone (the
+    unloaded reference): summaries and request records."""
     times = [0.0] * (len(reqs) - 1) + [float(cfg.interference.at_s)]
-    records = []
+    records, base = [], None
     for chunked in (True, False):
         engine = engine_for(OmegaConf.merge(cfg, {"chunked_prefill": chunked}), lm, backend, capacity)
         serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
+        if base is None:
+            base = steady_itl(serve_once(engine, reqs[:-1], math.inf, cfg.seed))
         result = serve_once(engine, reqs, math.inf, cfg.seed, times)
-        m = metrics(result, cfg.slo) | interference_metrics(result)
+        m = metrics(result, cfg.slo) | interference_metrics(result, base)
         name = f"interference {backend} chunked={chunked} budget={cfg.token_budget}"
         log.info("%s: %s", name, {k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
         rid = f"{run_id}-{backend}-{'chunked' if chunked else 'whole'}"

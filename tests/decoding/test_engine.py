@@ -156,12 +156,13 @@ def test_backends_that_cannot_release_a_row_refuse_with_the_reason(tiny_models, 
         cache_for(m, 2, 64, backend).release(0)
 
 
-def test_speculative_decoder_is_refused_by_the_engine(tiny_models):
+def test_a_speculative_decoder_needs_a_cache_that_rolls_back(tiny_models):
     from decodelab.decoding.drafters import prompt_lookup
 
     m = tiny_models["llama"].model
-    with pytest.raises(SetupError, match="speculative decoding inside the serving engine"):
-        Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2))
+    with pytest.raises(SetupError, match="roll back"):
+        Engine(m, cache_for(m, 2, 64, functools.partial(INT4.func, **{**INT4.keywords, "rollback": 2})),
+               SpeculativeDecoder(prompt_lookup(), gamma=4))
 
 
 def test_sampling_in_the_engine_is_seeded(tiny_models):
@@ -204,3 +205,23 @@ def test_a_shared_prefix_is_charged_once(tiny_models):
     d = cache_for(m, 2, 64)
     d.prepare(torch.arange(10).expand(2, -1))
     assert d.held_bytes([0, 1]) == 2 * d.row_bytes(10) == 20 * d.layout.bytes_per_token()
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "early-exit"])
+@pytest.mark.parametrize("backend", ["dense", "paged"])
+def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alone, draft, backend):
+    """Greedy speculative decoding inside the engine (arrivals, chunked prefill, a budget
+    that preempts): every request's output is the target's greedy output alone."""
+    from decodelab.decoding.drafters import early_exit, prompt_lookup
+
+    lm = tiny_models["llama"]
+    prompts, expected = alone["llama", backend]
+    factory = SERVING[backend]
+    drafter = prompt_lookup() if draft == "prompt-lookup" else early_exit(lm, 1, cache=factory)
+    decoder = SpeculativeDecoder(drafter, gamma=3)
+    cache = cache_for(lm.model, 3, 80, factory)
+    r = serve(lm.model, cache, decoder, requests(prompts, 0.005), token_budget=16,
+              kv_budget_mb=cache.row_bytes(60) * 1.3 / 2**20)
+    assert [x.tokens for x in r.requests] == expected
+    assert r.preemptions > 0 and decoder.stats["target_calls"] > 0
+    assert decoder.stats["tokens_per_target_call"] > 1.0  # some drafts were accepted
