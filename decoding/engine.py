@@ -18,7 +18,9 @@ batches, so a decode row in a 256-token prefill forward would compute 256 querie
 The KV budget (`kv_budget_mb`, default: what the cache can hold, `budget_bytes`) is
 charged what the running requests hold (`held_bytes`: a paged prefix block shared by
 several requests counts once) plus, before a step, what the step adds (`row_bytes`
-growth). Every backend is charged per token it holds (dense as if it allocated its rows
+growth); admission also keeps room for `headroom` more tokens of every decoding request,
+so that a request it admits is not preempted again a few steps later (thrashing). Every
+backend is charged per token it holds (dense as if it allocated its rows
 as they grow: the most favourable accounting for dense). A request is
 admitted (FCFS, one free row, its prompt's bytes within the budget) and, when the next
 step would exceed the budget, the most recently admitted request is preempted: its row is
@@ -168,15 +170,17 @@ class Engine:
 
     def __init__(self, model, cache, decoder, token_budget: int = 256, policy: str = "decode-first",
                  chunked_prefill: bool = True, kv_budget_mb: float | None = None, max_running: int | None = None,
-                 eos_ids=()):
+                 eos_ids=(), headroom: int = 16):
+        bad_headroom = [] if isinstance(headroom, int) and headroom >= 0 else [
+            f"headroom must be an integer >= 0 tokens, got {headroom!r}"]
         raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb)
-                 + decoder.problems(model, cache))
+                 + bad_headroom + decoder.problems(model, cache))
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
         # default: what the cache can hold (dense: every row at capacity; paged: its pool; int4: rows at capacity)
         self.kv_budget = cache.budget_bytes() if kv_budget_mb is None else int(kv_budget_mb * 2**20)
-        self.eos = set(eos_ids)
+        self.eos, self.headroom = set(eos_ids), headroom  # tokens per decoding row kept free at admission
 
     # -- checks --------------------------------------------------------------------
     def rejection(self, req: Request) -> str | None:
@@ -268,7 +272,7 @@ class Engine:
             row = free[0]
             reused = self.cache.reuse_prefix([feed], [row])[0]  # maps a cached prefix: charged once
             grow = self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)  # its prompt, reserved
-            if self.running and self._used() + grow > self.kv_budget:
+            if self.running and self._used(self._step_growth(self.headroom)) + grow > self.kv_budget:
                 self.cache.release(row)
                 return
             self.waiting.popleft()
@@ -279,12 +283,19 @@ class Engine:
             self._order += 1
             self.running[row] = _Running(i, req, res, row, feed, reused, self._order)
 
+    def _step_growth(self, steps: int, decode: list[_Running] | None = None) -> dict[int, int]:
+        """Tokens `steps` decode steps add per decoding row (a speculative round: up to its
+        lookahead). Admission keeps room for `headroom` tokens of every decoding row, so that
+        the request it admits is not preempted again a few steps later (thrashing)."""
+        rows = decode if decode is not None else [r for r in self.running.values() if not r.prefilling]
+        return {r.row: max(steps, self.decoder.lookahead) for r in rows}
+
     def _fit_budget(self) -> int:
         """Preempt the latest admitted requests until the next step's growth fits the budget."""
         n = 0
         while len(self.running) > 1:
             decode, _ = self._plan()
-            if self._used({r.row: max(1, self.decoder.lookahead) for r in decode}) <= self.kv_budget:
+            if self._used(self._step_growth(1, decode)) <= self.kv_budget:
                 break
             self._preempt(max(self.running.values(), key=lambda r: r.order))
             n += 1

@@ -56,7 +56,7 @@ def check(cfg: DictConfig) -> None:
         p.append(f"trace must be one of {list(TRACES)}, got {cfg.trace!r}")
     p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
                                     "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0,
-                                    "repeats": 1})
+                                    "repeats": 1, "headroom": 0})
     try:
         rates = rates_of(cfg)
         p += [f"rates must be > 0 requests/s (inf: all at once), got {r}" for r in rates if not r > 0]
@@ -172,7 +172,7 @@ def metrics(result, slo) -> dict:
 def engine_for(cfg: DictConfig, lm, backend: str, capacity: int) -> Engine:
     cache = make_cache(lm.model, cfg.max_running, capacity, factory_of(cfg, backend))
     return Engine(lm.model, cache, decoder_of(cfg), token_budget=cfg.token_budget, policy=cfg.policy,
-                  chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb)
+                  chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb, headroom=cfg.headroom)
 
 
 def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, seed: int, times=None):
