@@ -140,7 +140,7 @@ class SlidingCache(DenseCache):
     label: str = "sliding"
     serves_row_subsets = False  # declared on the contract (cache/base.py)
     row_subset_reason = ("its rings plan every forward's writes and reads for the whole batch on the host; "
-                         "use the dense or paged backend to serve requests")
+                         "use the dense, paged or int4 backend to serve requests")
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, rollback: int = 8,

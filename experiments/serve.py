@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from decodelab.decoding.engine import POLICIES, Engine, Request, engine_problems
+from decodelab.decoding.engine import Engine, Request, engine_problems
 from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
@@ -74,15 +74,13 @@ def check(cfg: DictConfig) -> None:
                      f"requests >= 2, got {i.prompt_tokens}, {i.at_s} and {cfg.requests}")
     unknown = [b for b in cfg.backends if b not in harness.group_options("cache")]
     p += [f"backend {b!r} does not exist; the cache options are {harness.group_options('cache')}" for b in unknown]
-    probe = harness._probe_layout()
-    for b in (b for b in cfg.backends if b not in unknown):
+    probe, decoder = harness._probe_layout(), harness.collect(p, lambda: decoder_of(cfg))
+    for i, b in enumerate(b for b in cfg.backends if b not in unknown):
         cache = harness.collect(p, lambda b=b: factory_of(cfg, b)(probe, 2, 128))
-        if cache is not None:
-            p += [f"backend {b}: {r}" for r in engine_problems(cache, harness.collect(p, lambda: decoder_of(cfg)),
-                                                                cfg.token_budget, cfg.policy)
-                  if "kv_budget" not in r]
-    if cfg.policy not in POLICIES and not any("policy" in r for r in p):
-        p.append(f"policy must be one of {list(POLICIES)}, got {cfg.policy!r}")
+        if cache is not None and decoder is not None:  # the engine options once, the backends' capability each
+            p += [r if "cannot serve" not in r else f"backend {b}: {r}"
+                  for r in engine_problems(cache, decoder, cfg.token_budget, cfg.policy)
+                  if i == 0 or "cannot serve" in r]
     if cfg.kv_budget_mb is not None and not cfg.kv_budget_mb > 0:
         p.append(f"kv_budget_mb must be > 0 (or null: the whole cache), got {cfg.kv_budget_mb}")
     for key in ("ttft_s", "tpot_s"):
