@@ -4,8 +4,8 @@ A decoder declares what it is as class attributes: `needs_drafter`, `lookahead`
 (positions it writes past the output) and `lossless_at_temperature_0`. It has
 `problems(model, cache)` (checked when a setup is built), `begin(device)`
 (seeds its generator; called once per generation), `start(logits)` (the first token
-from the prefill logits), `admit(row, tokens)` (a serving engine starts a new sequence in
-cache row `row`, after `begin`) and `step(model, cache, last, done, left) -> list[list[int]]`
+from the prefill logits), `admit(row, tokens)` / `release(row)` (a serving engine starts a
+new sequence in cache row `row`, after `begin`, and ends it) and `step(model, cache, last, done, left) -> list[list[int]]`
 (tokens produced per row; plain decoding produces one, speculative decoding may produce
 more; rows in `done` are frozen, and `left`, the most any row may still emit, lets a
 decoder that looks ahead stop drafting where the output ends).
@@ -59,6 +59,10 @@ class SamplingDecoder:
     def admit(self, row: int, tokens: list[int]) -> None:
         """A serving engine starts a new sequence (`tokens` so far) in cache row `row`:
         nothing to do for plain decoding (it keeps no per-row state)."""
+
+    def release(self, row: int) -> None:
+        """A serving engine's request left cache row `row` (finished or preempted): nothing
+        to do for plain decoding."""
 
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,

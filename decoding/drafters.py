@@ -82,6 +82,12 @@ class ModelDrafter:
         prefill(self.model, self.cache, [tokens], rows=[row])
         self.pending[row] = []
 
+    def release(self, row: int) -> None:
+        """Empty row `row` (its request left): an idle row then drafts from position 0 and is
+        rolled back each round, so it never nears the capacity."""
+        self.cache.release(row)
+        self.pending[row] = []
+
     @torch.no_grad()
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
         """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
@@ -149,6 +155,10 @@ class PromptLookupDrafter:
     def admit(self, row: int, tokens: list[int]) -> None:
         """Start row `row` over with `tokens` (a serving engine admitted a request there)."""
         self.history[row] = list(tokens)
+
+    def release(self, row: int) -> None:
+        """Forget row `row`'s text (its request left)."""
+        self.history[row] = []
 
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
         """Deterministic proposals [B, G] and their one-hot q [B, G, V]."""

@@ -146,9 +146,9 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     if not getattr(cache, "serves_row_subsets", False):
         p.append(f"the {type(cache).__name__} backend cannot serve continuous batching: "
                  f"{getattr(cache, 'row_subset_reason', 'it declares no row release')}")
-    if not callable(getattr(decoder, "admit", None)):
-        p.append(f"decoder {decoder!r} cannot serve requests that come and go: it has no `admit(row, tokens)` "
-                 "(decoding/decoders.py)")
+    if not (callable(getattr(decoder, "admit", None)) and callable(getattr(decoder, "release", None))):
+        p.append(f"decoder {decoder!r} cannot serve requests that come and go: it has no `admit(row, tokens)` / "
+                 "`release(row)` (decoding/decoders.py)")
     if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
         p.append(f"token_budget must be an integer >= 1 (tokens per engine step), got {token_budget!r}")
     if policy not in POLICIES:
@@ -232,8 +232,12 @@ class Engine:
                 if chunks:
                     self._prefill(chunks, clock)
             except PoolExhausted:  # the cache refused the forward, unchanged: make room, plan again
-                if len(self.running) < 2:
+                if len(self.running) < 2 or self.decoder.lookahead:  # a drafter has moved on: not recoverable
                     raise
+                for r, _ in chunks:  # a refused prefill may have mapped a cached prefix: start it over
+                    if r.row in self.running and r.fed < len(r.feed) and int(self.cache.lengths[r.row]) != r.fed:
+                        self.cache.release(r.row)
+                        r.fed = 0
                 self._preempt(max(self.running.values(), key=lambda r: r.order))
                 preempted += 1
                 continue
@@ -304,6 +308,7 @@ class Engine:
     def _preempt(self, r: _Running) -> None:
         """Release the row; back to the head of the queue, output kept (recompute later)."""
         self.cache.release(r.row)
+        self.decoder.release(r.row)
         del self.running[r.row]
         r.res.preemptions += 1
         self.waiting.appendleft(r.idx)
@@ -396,6 +401,7 @@ class Engine:
                 if t in self.eos or len(r.res.tokens) >= r.req.max_new_tokens:
                     r.res.finish_reason = "eos" if t in self.eos else "length"
                     self.cache.release(r.row)
+                    self.decoder.release(r.row)
                     del self.running[r.row]
                     break
             kept.append(len(r.res.tokens) - before)

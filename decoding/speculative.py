@@ -215,6 +215,11 @@ class SpeculativeDecoder:
         drafter starts that row over from them (a draft model prefills its own cache row)."""
         self.drafter.admit(row, tokens)
 
+    def release(self, row: int) -> None:
+        """The request in cache row `row` left (finished or preempted): the drafter empties
+        that row, so that it drafts from nothing there until the next `admit`."""
+        self.drafter.release(row)
+
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
              left: int | None = None) -> list[list[int]]:

@@ -179,8 +179,9 @@ def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, s
 
 
 def unloaded(engine: Engine, reqs) -> dict:
-    """TTFT and ITL of requests served one at a time (an empty engine each): the unloaded
-    reference the loaded runs are read against."""
+    """TTFT and ITL of requests served one at a time (one after another through one engine,
+    so a paged cache holds a common system prompt from the second on, as under load): the
+    unloaded reference the loaded runs are read against."""
     done = [serve_once(engine, [r], math.inf, 0).requests[0] for r in reqs]
     return {f"unloaded_{k}": v for k, v in (_pcts([r.ttft_s for r in done], "ttft") |
                                              _pcts([x for r in done for x in r.itl_s()], "itl")).items()}
@@ -193,17 +194,18 @@ def request_records(result, backend: str, rate: float, run: str) -> list[dict]:
              "error": r.error, "token_times": r.token_times} for r in result.requests]
 
 
-def offline(cfg: DictConfig, lm, engine: Engine, reqs, first: bool) -> tuple:
+def offline(cfg: DictConfig, lm, fresh, reqs, first: bool) -> tuple:
     """At rate inf, `repeats` times: the engine, then (beside the first backend, with
     `compare_transformers`) transformers' generate_batch on the same requests, alternating.
     The engine run of median output tok/s, and the side-by-side metrics (medians, every
-    repeat's tok/s listed)."""
+    repeat's tok/s listed). Every run gets a `fresh()` engine: an empty cache, no prefix
+    cached by an earlier run."""
     hf = hf_model_for(lm) if cfg.compare_transformers and first else None
     if hf is not None:
         hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
     ours, theirs = [], []
     for _ in range(cfg.repeats):
-        ours.append(serve_once(engine, reqs, math.inf, cfg.seed))
+        ours.append(serve_once(fresh(), reqs, math.inf, cfg.seed))
         if hf is not None:
             theirs.append(hf_generate_batch(hf, [p for p, _ in reqs], [k for _, k in reqs]))
     tok_s = [sum(len(r.tokens) for r in x.requests) / x.wall_s for x in ours]
@@ -269,13 +271,13 @@ def interference(cfg: DictConfig, lm, reqs, backend: str, capacity: int, conditi
     with chunked prefill and without, side by side, and the synthetic requests alone (the
     unloaded reference): summaries and request records."""
     times = [0.0] * (len(reqs) - 1) + [float(cfg.interference.at_s)]
-    records, base = [], None
+    records = []
+    fresh = lambda chunked=True: engine_for(OmegaConf.merge(cfg, {"chunked_prefill": chunked}), lm, backend,  # noqa: E731
+                                            capacity)  # every run: an empty cache
+    serve_once(fresh(), [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
+    base = steady_itl(serve_once(fresh(), reqs[:-1], math.inf, cfg.seed))
     for chunked in (True, False):
-        engine = engine_for(OmegaConf.merge(cfg, {"chunked_prefill": chunked}), lm, backend, capacity)
-        serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
-        if base is None:
-            base = steady_itl(serve_once(engine, reqs[:-1], math.inf, cfg.seed))
-        result = serve_once(engine, reqs, math.inf, cfg.seed, times)
+        result = serve_once(fresh(chunked), reqs, math.inf, cfg.seed, times)
         m = metrics(result, cfg.slo) | interference_metrics(result, base)
         name = f"interference {backend} chunked={chunked} budget={cfg.token_budget}"
         log.info("%s: %s", name, {k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
@@ -302,16 +304,16 @@ def run(cfg: DictConfig, out: Path) -> None:
             records += interference(cfg, lm, reqs, backend, capacity, conditions, run_id)
             harness.write_jsonl(out / harness.RESULTS, records)
             continue
-        engine = engine_for(cfg, lm, backend, capacity)
-        serve_once(engine, [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
-        alone = unloaded(engine, reqs[:cfg.unloaded]) if cfg.unloaded else {}
+        fresh = lambda: engine_for(cfg, lm, backend, capacity)  # noqa: E731  every run: an empty cache
+        serve_once(fresh(), [(reqs[0][0][:16], 4)], math.inf, cfg.seed)  # warm-up, untimed
+        alone = unloaded(fresh(), reqs[:cfg.unloaded]) if cfg.unloaded else {}
         for rate in rates_of(cfg):
             side = {}
             if math.isinf(rate):
-                result, side = offline(cfg, lm, engine, reqs, backend == cfg.backends[0])
+                result, side = offline(cfg, lm, fresh, reqs, backend == cfg.backends[0])
                 side |= alone_check(cfg, lm, reqs, result, backend)
             else:
-                result = serve_once(engine, reqs, rate, cfg.seed)
+                result = serve_once(fresh(), reqs, rate, cfg.seed)
             m = metrics(result, cfg.slo) | {"kv_budget_mb": result.kv_budget_bytes / 2**20} | alone | side
             setup = {"name": f"{cfg.trace} {backend} rate={rate:g}", "cache": backend, "rate": rate,
                      "trace": cfg.trace, "requests": len(reqs), "max_running": cfg.max_running,

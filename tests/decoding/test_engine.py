@@ -79,10 +79,10 @@ def test_forced_preemption_keeps_every_output(tiny_models, alone, backend):
     assert max(t["kv_bytes"] for t in r.timeline) <= r.kv_budget_bytes
 
 
-def test_pool_exhaustion_preempts_instead_of_failing(tiny_models, alone):
-    """A paged pool smaller than the budget the engine counts with (the logical budget
-    deliberately set equal to the pool, rows of 80 tokens): the cache's own refusal makes
-    the engine preempt and retry."""
+def test_a_pool_smaller_than_the_batch_serves_by_preemption(tiny_models, alone):
+    """A paged pool of 30 blocks for 4 rows of 80 tokens (the default budget is the pool):
+    the engine charges the blocks each request holds, preempts before the pool runs out
+    (the pool's own refusal, PoolExhausted, stays a safety net) and every output is kept."""
     m = tiny_models["llama"].model
     prompts, expected = alone["llama", "paged"]
     cache = cache_for(m, 4, 80, functools.partial(PagedCache, block_size=4, num_blocks=30))
@@ -225,3 +225,17 @@ def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alo
     assert [x.tokens for x in r.requests] == expected
     assert r.preemptions > 0 and decoder.stats["target_calls"] > 0
     assert decoder.stats["tokens_per_target_call"] > 1.0  # some drafts were accepted
+
+
+def test_speculative_rows_near_capacity_are_released_with_their_request(tiny_models):
+    """A draft model whose every draft is accepted (the target itself): a finished
+    request's draft row is emptied with it, so the idle row never runs past the capacity."""
+    from decodelab.decoding.drafters import ModelDrafter
+
+    m = tiny_models["llama"].model
+    decoder = SpeculativeDecoder(ModelDrafter(m), gamma=4)
+    r = serve(m, cache_for(m, 2, 42), decoder, [Request(random_ids(20, seed=1), 17), Request(random_ids(5), 32)])
+    assert [len(x.tokens) for x in r.requests] == [17, 32]
+    expected = [generate(m, cache_for(m, 1, 42), greedy(), [x], n).tokens[0]
+                for x, n in ((random_ids(20, seed=1), 17), (random_ids(5), 32))]
+    assert [x.tokens for x in r.requests] == expected
