@@ -7,5 +7,6 @@ from decodelab.decoding.prefill import prefill
 from decodelab.decoding.sampling import SamplingParams, choose, logits_to_probs, sample
 from decodelab.decoding.text import generate_text, make_cache
 
-__all__ = ["SamplingDecoder", "greedy", "Engine", "Request", "serve", "GenerationResult", "generate", "prefill", "SamplingParams",
+__all__ = ["SamplingDecoder", "greedy", "Engine", "Request", "serve", "GenerationResult", "generate", "prefill",
+           "SamplingParams",
            "choose", "logits_to_probs", "sample", "generate_text", "make_cache"]

@@ -5,7 +5,8 @@ A decoder declares what it is as class attributes: `needs_drafter`, `lookahead`
 `problems(model, cache)` (checked when a setup is built), `begin(device)`
 (seeds its generator; called once per generation), `start(logits)` (the first token
 from the prefill logits), `admit(row, tokens)` / `release(row)` (a serving engine starts a
-new sequence in cache row `row`, after `begin`, and ends it) and `step(model, cache, last, done, left) -> list[list[int]]`
+new sequence in cache row `row`, after `begin`, and ends it) and
+`step(model, cache, last, done, left) -> list[list[int]]`
 (tokens produced per row; plain decoding produces one, speculative decoding may produce
 more; rows in `done` are frozen, and `left`, the most any row may still emit, lets a
 decoder that looks ahead stop drafting where the output ends).
