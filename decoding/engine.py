@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decodelab.decoding.generate import _length
 from decodelab.decoding.prefill import prefill, token_id_problems
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 
@@ -204,7 +205,7 @@ class Engine:
     def run(self, requests: list[Request]) -> EngineResult:
         """Serve every request: each joins the queue when the wall clock (seconds since
         this call) passes its arrival; an idle engine sleeps until the next arrival."""
-        results = [RequestResult(r.id if r.id is not None else i, _len(r.prompt), float(r.arrival_s))
+        results = [RequestResult(r.id if r.id is not None else i, _length(r.prompt), float(r.arrival_s))
                    for i, r in enumerate(requests)]
         pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
         self.cache.reset()
@@ -406,13 +407,6 @@ class Engine:
                     break
             kept.append(len(r.res.tokens) - before)
         return kept
-
-
-def _len(prompt) -> int:
-    try:
-        return len(prompt)
-    except TypeError:
-        return 0
 
 
 def serve(model, cache, decoder, requests: list[Request], **options) -> EngineResult:
