@@ -157,6 +157,10 @@ class KVCache:
     #: and, where not, why: a declared capability, checked when an engine is built
     serves_row_subsets: bool = False
     row_subset_reason: str = "its storage is planned for the whole batch at once"
+    #: the attributes `prepare` sets for one forward (a backend names its own too): a forward
+    #: over several segments of distinct rows prepares each, keeps `forward_state()`, and
+    #: `resume_forward`s it before the segment attends in each layer
+    FORWARD_STATE: tuple[str, ...] = ("_qpos", "_valid", "_masks", "_sel")
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, **options) -> int:
@@ -202,6 +206,16 @@ class KVCache:
             self.lengths = self.lengths.clone()
             self.lengths[sel] = new
         self._qpos, self._valid, self._masks, self._sel = pos, ok, {}, sel
+
+    def forward_state(self) -> dict:
+        """What the last `prepare` planned for its forward (`FORWARD_STATE`)."""
+        return {a: getattr(self, a) for a in self.FORWARD_STATE}
+
+    def resume_forward(self, state: dict) -> None:
+        """Attend as the forward `state` was prepared (`forward_state`): a forward over
+        several segments (`Transformer.forward_segments`) switches between them per layer.
+        Valid only for the segments of the forward prepared last."""
+        self.__dict__.update(state)
 
     def _selection(self, rows, n: int) -> torch.Tensor | None:
         """`rows` as a [b] tensor of distinct cache rows for a forward of n rows (None: all

@@ -20,6 +20,7 @@ class DenseCache(KVCache):
     """One [B, Hkv, capacity, D] K and V buffer per layer; slot p holds position p."""
 
     serves_row_subsets = True  # a row is its own slice of every buffer
+    FORWARD_STATE = KVCache.FORWARD_STATE + ("_contiguous", "_rows", "_slice", "_dev_pos")
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
         super().__init__(layout, batch_size, capacity)

@@ -154,6 +154,7 @@ class QuantizedCache(KVCache):
 
     lossy = True
     serves_row_subsets = True  # a row is its own stores: a forward plans only the rows it feeds
+    FORWARD_STATE = KVCache.FORWARD_STATE + ("_plan", "_kernel_q")
     #: a forward of more query columns attends in chunks of this many, each reading only the
     #: keys it needs: a long prefill then costs about the causal T^2 / 2 scores, not the
     #: T x 2T of one mask over every dequantized block and every exact token

@@ -142,6 +142,7 @@ class PagedCache(KVCache):
     """Block-pool KV cache with prefix sharing and copy-on-write."""
 
     serves_row_subsets = True  # a row is its block table: released blocks return to the free list
+    FORWARD_STATE = KVCache.FORWARD_STATE + ("_srows", "_wdst", "_wsrc", "_kernel")
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
                  num_blocks: int | None = None, memory_budget_mb: float | None = None,

@@ -8,12 +8,14 @@ Positions are always explicit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from decodelab.models.config import ModelConfig
-from decodelab.models.errors import raise_if
+from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.matmul import PackedWeight, impl_problems, project, resolve_impl, version_of
 
 
@@ -66,25 +68,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+@dataclass
+class Segment:
+    """One padded batch of a forward over several (`Transformer.forward_segments`): ids and
+    positions [B, T] of the cache `rows` [B], `valid` [B, T] (None: all), and where to
+    compute logits (`logit_index` [B, K]; None: every position)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor | None = None
+    rows: list[int] | None = None
+    logit_index: torch.Tensor | None = None
+
+
 class Packed:
-    """The valid tokens of a padded [B, T] batch as rows [N] of the flat [B * T] one: the
-    position-wise work (norms, projections, MLP, head) runs on those N rows only, and
-    attention, which the cache runs on padded [B, T] batches, sees them unpacked (zeros at
-    padding). A batch whose rows are mostly padding (a serving engine's decode step with
-    idle rows, chunks of different lengths) then costs what its tokens cost."""
+    """The valid tokens of one or several padded [B, T] batches (segments) as rows [N] of
+    one flat batch, segment after segment: the position-wise work (norms, projections,
+    MLP, head) runs on those N rows only, once for all segments, and attention, which the
+    cache runs on padded [B, T] batches, sees each segment unpacked (zeros at padding). A
+    batch whose rows are mostly padding (a serving engine's decode step with idle rows,
+    chunks of different lengths) then costs what its tokens cost, and a decode step and a
+    prefill chunk share one read of the weights."""
 
-    def __init__(self, valid: torch.Tensor):  # [B, T] bool
-        self.B, self.T = valid.shape
-        self.idx = valid.reshape(-1).nonzero().squeeze(1)  # [N]
+    def __init__(self, valid: torch.Tensor | list[torch.Tensor]):  # [B, T] bool, or one per segment
+        valids = [valid] if isinstance(valid, torch.Tensor) else list(valid)
+        self.shapes = [tuple(v.shape) for v in valids]
+        self.idx = [v.reshape(-1).nonzero().squeeze(1) for v in valids]  # [N_s] per segment
+        self.full = [int(i.numel()) == v.numel() for i, v in zip(self.idx, valids)]  # no padding at all
+        counts = [int(i.numel()) for i in self.idx]
+        self.bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]  # segment s: rows [bounds[s], bounds[s + 1])
+        self.B, self.T = self.shapes[0]  # (of the first segment)
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, ...] -> [N, ...]"""
-        return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.idx)
+    def __len__(self) -> int:
+        return len(self.shapes)
 
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, ...] -> [B, T, ...], zeros at padding."""
-        out = x.new_zeros(self.B * self.T, *x.shape[1:])
-        return out.index_copy_(0, self.idx, x).view(self.B, self.T, *x.shape[1:])
+    def pack(self, x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """[B, T, ...] (or one per segment) -> [N, ...]"""
+        xs = [x] if isinstance(x, torch.Tensor) else x
+        parts = [self.pack_one(t, s) for s, t in enumerate(xs)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def pack_one(self, x: torch.Tensor, s: int) -> torch.Tensor:
+        """Segment s's [B, T, ...] -> its valid rows [N_s, ...]"""
+        B, T = self.shapes[s]
+        flat = x.reshape(B * T, *x.shape[2:])
+        return flat if self.full[s] else flat.index_select(0, self.idx[s])
+
+    def unpack(self, x: torch.Tensor, s: int = 0) -> torch.Tensor:
+        """Segment s's rows of [N, ...] -> [B, T, ...], zeros at padding."""
+        B, T = self.shapes[s]
+        mine = x[self.bounds[s]:self.bounds[s + 1]]
+        if self.full[s]:
+            return mine.reshape(B, T, *x.shape[1:])
+        out = x.new_zeros(B * T, *x.shape[1:])
+        return out.index_copy_(0, self.idx[s], mine).view(B, T, *x.shape[1:])
 
 
 class Attention(nn.Module):
@@ -98,11 +135,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple, cache, packed: Packed | None = None) -> torch.Tensor:
-        """x [B, T, dim] (or its valid tokens [N, dim] with `packed`) -> the same shape."""
+    def forward(self, x: torch.Tensor, rope, cache, packed: Packed | None = None, states=None) -> torch.Tensor:
+        """x [B, T, dim] (or its valid tokens [N, dim] with `packed`) -> the same shape. With
+        several segments (`states`: the cache's forward state of each, `rope`: one per
+        segment), each segment attends on its own (`cache.resume_forward`)."""
         qkv = self.wqkv(x)
-        if packed is not None:
-            qkv = packed.unpack(qkv)  # [B, T, q + 2 kv]
+        if packed is None:
+            return self.wo(self._attend(qkv, rope, cache))
+        if states is None:
+            return self.wo(packed.pack(self._attend(packed.unpack(qkv), rope, cache)))
+        outs = []
+        for s, state in enumerate(states):
+            cache.resume_forward(state)
+            outs.append(packed.pack_one(self._attend(packed.unpack(qkv, s), rope[s], cache), s))
+        return self.wo(torch.cat(outs))
+
+    def _attend(self, qkv: torch.Tensor, rope: tuple, cache) -> torch.Tensor:
+        """qkv [B, T, q + 2 kv] -> attention output [B, T, Hq * D] (K/V stored by the cache)."""
         B, T, _ = qkv.shape
         D = self.cfg.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -112,8 +161,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = cache.attend(self.layer, q, k, v).transpose(1, 2).reshape(B, T, self.q_size)  # [B, T, Hq * D]
-        return self.wo(out if packed is None else packed.pack(out))
+        return cache.attend(self.layer, q, k, v).transpose(1, 2).reshape(B, T, self.q_size)  # [B, T, Hq * D]
 
 
 class MLP(nn.Module):
@@ -142,8 +190,8 @@ class Block(nn.Module):
         self.attn_post_norm = norm() if cfg.sandwich_norm else None
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
-    def forward(self, x, rope, cache, packed: Packed | None = None):
-        h = self.attn(self.attn_norm(x), rope, cache, packed)
+    def forward(self, x, rope, cache, packed: Packed | None = None, states=None):
+        h = self.attn(self.attn_norm(x), rope, cache, packed, states)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
@@ -208,6 +256,80 @@ class Transformer(nn.Module):
             return self.head(self.norm(x))
         logits = self.head(self.norm(x))
         return logits if packed is None else packed.unpack(logits)  # [B, T, V], zeros at padding
+
+    def forward_segments(self, segments: list[Segment], cache, n_layers: int | None = None) -> list[torch.Tensor]:
+        """One forward over several padded batches of distinct cache rows (a serving
+        engine's decode rows and the prefill chunks of other rows, each a `Segment` of its
+        own shape): the position-wise work runs once on all their valid tokens, so the
+        weights are read once, and each segment attends on its own (the cache prepares
+        every segment, then `resume_forward`s each in every layer), so a one-token decode
+        row never computes a chunk's queries. Logits per segment, as `forward` returns them
+        for that segment alone ([B, K, V] with its `logit_index`, else [B, T, V], zeros at
+        padding); equal to running the segments one by one up to float rounding (the
+        products see a different number of rows)."""
+        if len(segments) == 1:
+            s = segments[0]
+            return [self.forward(s.ids, s.positions, cache, s.valid, s.logit_index, n_layers, s.rows)]
+        valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
+                  for s in segments]
+        states = self._prepare_segments(cache, segments)
+        packed = Packed(valids)
+        x = self.embed(packed.pack([s.ids for s in segments]))  # [N, dim]
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        ropes = [{r: rope_cos_sin(self.inv_freq(r, x.device), s.positions, x.dtype) for r in set(self._rope_keys)}
+                 for s in segments]
+        for layer, block in enumerate(self.layers[:n_layers]):
+            key = self._rope_keys[layer]
+            x = block(x, [r[key] for r in ropes], cache, packed, states)
+        # the head once, on the rows every segment asks for
+        picked, shapes = [], []
+        for i, s in enumerate(segments):
+            if s.logit_index is None:
+                picked.append(x[packed.bounds[i]:packed.bounds[i + 1]])
+                shapes.append(None)
+            else:
+                h = packed.unpack(x, i)  # [B, T, dim]
+                h = h.gather(1, s.logit_index[..., None].expand(-1, -1, h.shape[-1]))  # [B, K, dim]
+                picked.append(h.reshape(-1, h.shape[-1]))
+                shapes.append(tuple(h.shape[:2]))
+        logits = self.head(self.norm(torch.cat(picked)))
+        out, at = [], 0
+        for i, shape in enumerate(shapes):
+            n = picked[i].shape[0]
+            part = logits[at:at + n]
+            at += n
+            out.append(self._unpack_logits(packed, part, i) if shape is None else part.view(*shape, -1))
+        return out
+
+    @staticmethod
+    def _unpack_logits(packed: Packed, part: torch.Tensor, i: int) -> torch.Tensor:
+        """Segment i's logits [N_i, V] -> [B, T, V], zeros at padding."""
+        full = part.new_zeros(packed.bounds[-1], part.shape[-1])
+        full[packed.bounds[i]:packed.bounds[i + 1]] = part
+        return packed.unpack(full, i)
+
+    @staticmethod
+    def _prepare_segments(cache, segments: list[Segment]) -> list[dict]:
+        """`cache.prepare` every segment (each on its own rows) and keep its forward state.
+        A segment the cache refuses (a paged pool out of blocks) rolls the earlier ones back
+        (`truncate`), so the refused forward leaves the rows as they were."""
+        rows = [list(s.rows) if s.rows is not None else None for s in segments]
+        if any(r is None for r in rows):
+            raise SetupError("every segment of a forward over several segments names its cache rows (Segment.rows)")
+        flat = [r for rs in rows for r in rs]
+        if len(set(flat)) != len(flat):
+            raise SetupError(f"segments share cache rows ({rows}): each row can take part in one segment of a forward")
+        before, states = cache.lengths.clone(), []
+        for s, r in zip(segments, rows):
+            try:
+                cache.prepare(s.positions, s.valid, rows=r)
+            except SetupError:
+                if states:
+                    cache.truncate(torch.minimum(cache.lengths, before))
+                raise
+            states.append(cache.forward_state())
+        return states
 
     def inv_freq(self, rope, device: torch.device) -> torch.Tensor:
         """float32 inverse frequencies [head_dim / 2] of one RoPE on one device (memoized)."""
