@@ -2,18 +2,25 @@
 allows, decode together and leave when done; a finished request's cache row serves the
 next one at once.
 
-Every engine step builds its forwards from the running requests:
-- one decode forward: each decoding request feeds its last token (one row per request;
-  all cache rows ride along, the idle ones as padding, so a dense cache is read in place);
-- prefill forwards over the prefilling requests' rows only (`prepare(..., rows=)`,
-  cache/base.py; a chunk of 64 tokens or more alone, shorter ones together): each takes
-  its next chunk of prompt, within the step's token budget
-  (`token_budget` minus the decode rows, with policy `decode-first`), so a long prompt is
-  spread over several steps and never stalls the decoding requests for long. With
-  `policy: prefill-first` a step that has prefill work runs it with the whole budget and
-  no decode (vLLM's classic scheduler); `chunked_prefill: false` feeds a prompt in one go.
-Why two forwards and not one mixed forward: the model's attention runs on padded [B, T]
-batches, so a decode row in a 256-token prefill forward would compute 256 queries.
+Every engine step is one forward over segments (`Transformer.forward_segments`) built
+from the running requests:
+- the decode rows: each decoding request feeds its last token (one row per request; the
+  run of rows from the first decoding row to the last, so a dense cache reads it in place,
+  the idle rows inside it riding along as padding);
+- the prefilling requests' next prompt chunks (THE prefill's padding and positions,
+  `prompt_segment`; a chunk of 64 tokens or more in a segment of its own, shorter ones
+  together), within the step's token budget (`token_budget` minus the decode rows, with
+  policy `decode-first`), so a long prompt is spread over several steps and never stalls
+  the decoding requests for long. With `policy: prefill-first` a step that has prefill
+  work runs it with the whole budget and no decode (vLLM's classic scheduler);
+  `chunked_prefill: false` feeds a prompt in one go.
+The norms, projections, MLP and head run once over all the step's tokens (the weights are
+read once: a chunk riding in a decode step costs its tokens' compute, not another pass
+over the weights), and each segment attends on its own (the cache prepares each and
+switches between them per layer), so a decode row never computes a chunk's queries. A
+step without decode rows runs its chunks as THE prefill (`prefill(..., rows=)`), a long
+chunk in a forward of its own; a speculative decoder runs its own forwards, the chunks
+after them.
 
 The KV budget (`kv_budget_mb`, default: what the cache can hold, `budget_bytes`) is
 charged what the running requests hold (`held_bytes`: a paged prefix block shared by
@@ -56,8 +63,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.decoding.generate import _length
-from decodelab.decoding.prefill import prefill, token_id_problems
+from decodelab.decoding.prefill import prefill, prompt_segment, token_id_problems
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
+from decodelab.models.transformer import Segment
 
 POLICIES = ("decode-first", "prefill-first")
 
@@ -228,10 +236,13 @@ class Engine:
             preempted += self._fit_budget()
             decode, chunks = self._plan()
             try:
-                if decode:
-                    self._decode(decode, clock)
-                if chunks:
-                    self._prefill(chunks, clock)
+                if decode and chunks and not self.decoder.lookahead:
+                    self._mixed(decode, chunks, clock)  # one read of the weights for both
+                else:
+                    if decode:
+                        self._decode(decode, clock)
+                    if chunks:
+                        self._prefill(chunks, clock)
             except PoolExhausted:  # the cache refused the forward, unchanged: make room, plan again
                 if len(self.running) < 2 or self.decoder.lookahead:  # a drafter has moved on: not recoverable
                     raise
@@ -335,19 +346,53 @@ class Engine:
         return decode, chunks
 
     def _decode(self, decode: list[_Running], clock) -> None:
-        """One forward over every cache row; the decoding requests feed their last token
-        (a speculative decoder drafts, verifies and may emit several)."""
+        """One forward over the decoding rows (`_decode_rows`), each feeding its last token
+        (a speculative decoder drafts, verifies and may emit several, over every row)."""
         if self.decoder.lookahead:
             return self._speculate(decode, clock)
-        B, dev = self.cache.batch_size, self.model.device
-        last = torch.zeros(B, 1, dtype=torch.long)
-        valid = torch.zeros(B, 1, dtype=torch.bool)
-        pos = self.cache.lengths.clamp(max=self.cache.capacity - 1)[:, None].clone()  # [B, 1]
+        seg, at = self._decode_segment(decode, self._decode_rows(decode))
+        logits = self.model.forward_segments([seg], self.cache)[0]  # [b, 1, V]
+        self._emit(decode, [[t] for t in self.decoder.start(logits[[at[r.row] for r in decode], 0]).tolist()], clock)
+
+    def _decode_rows(self, decode: list[_Running], busy=()) -> list[int]:
+        """The cache rows a decode forward runs over: the run of rows from the first decoding
+        row to the last (a dense cache reads a run of rows in place; the idle rows inside it
+        ride along as padding), or, where a row that is `busy` elsewhere in the forward
+        sits inside that run, the decoding rows alone."""
+        rows = sorted(r.row for r in decode)
+        run = list(range(rows[0], rows[-1] + 1))
+        return rows if set(run) & set(busy) else run
+
+    def _decode_segment(self, decode: list[_Running], rows: list[int]) -> tuple[Segment, dict[int, int]]:
+        """The decoding requests' last tokens at their rows' next positions, over `rows`
+        (the others: padding), and where each cache row sits in it."""
+        dev = self.model.device
+        at = {row: i for i, row in enumerate(rows)}
+        last = torch.zeros(len(rows), 1, dtype=torch.long)
+        valid = torch.zeros(len(rows), 1, dtype=torch.bool)
         for r in decode:
-            last[r.row, 0], valid[r.row, 0] = r.res.tokens[-1], True
-        logits = self.model(last.to(dev), pos.to(dev), self.cache, valid=valid.to(dev))[:, -1]  # [B, V]
-        rows = [r.row for r in decode]
-        self._emit(decode, [[t] for t in self.decoder.start(logits[rows]).tolist()], clock)
+            last[at[r.row], 0], valid[at[r.row], 0] = r.res.tokens[-1], True
+        pos = self.cache.lengths[rows].clamp(max=self.cache.capacity - 1)[:, None].clone()  # [b, 1]
+        first = torch.zeros(len(rows), 1, dtype=torch.long, device=dev)  # each row's logits at its one token
+        return Segment(last.to(dev), pos.to(dev), valid.to(dev), rows, first), at
+
+    def _mixed(self, decode: list[_Running], chunks: list[tuple[_Running, int]], clock) -> None:
+        """One forward over segments (`Transformer.forward_segments`): the decode rows feed
+        their last token (`_decode_rows`), and the prefill chunks come as THE prefill places
+        them (`prompt_segment`; a chunk of `OWN_FORWARD` tokens or more in a segment of its
+        own, the short ones together). The position-wise work runs once for all their tokens
+        (one read of the weights); each segment attends on its own, so no decode row computes
+        a chunk's queries."""
+        seg, at = self._decode_segment(decode, self._decode_rows(decode, busy=[r.row for r, _ in chunks]))
+        segments = [seg]
+        groups = self._chunk_groups(chunks)
+        segments += [prompt_segment(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in g],
+                                    [r.row for r, _ in g]) for g in groups]
+        logits = self.model.forward_segments(segments, self.cache)
+        self._emit(decode, [[t] for t in self.decoder.start(logits[0][[at[r.row] for r in decode], 0]).tolist()],
+                   clock)
+        for g, lg in zip(groups, logits[1:]):
+            self._prefilled(g, lg[:, 0], clock)
 
     def _speculate(self, decode: list[_Running], clock) -> None:
         """One draft-and-verify round of the decoder over every cache row; the rows that are
@@ -368,19 +413,27 @@ class Engine:
     #: compute-bound, so splitting costs nothing, and it then pays no padding
     OWN_FORWARD = 64
 
-    def _prefill(self, chunks: list[tuple[_Running, int]], clock) -> None:
-        """The prefilling rows' next chunks: each long chunk in a forward of its own, the
-        short ones together (right-padded)."""
+    def _chunk_groups(self, chunks: list[tuple[_Running, int]]) -> list[list[tuple[_Running, int]]]:
+        """Each long chunk alone, the short ones together (right-padded)."""
         long = [[rc] for rc in chunks if rc[1] >= self.OWN_FORWARD]
         short = [rc for rc in chunks if rc[1] < self.OWN_FORWARD]
-        for group in long + ([short] if short else []):
+        return long + ([short] if short else [])
+
+    def _prefill(self, chunks: list[tuple[_Running, int]], clock) -> None:
+        """The prefilling rows' next chunks, a forward per group (`_chunk_groups`)."""
+        for group in self._chunk_groups(chunks):
             self._prefill_forward(group, clock)
 
     def _prefill_forward(self, chunks: list[tuple[_Running, int]], clock) -> None:
         """One forward over these prefilling rows, each its next chunk: THE prefill
-        (decoding/prefill.py) on those rows; a request whose prompt is done emits its first token."""
+        (decoding/prefill.py) on those rows."""
         logits = prefill(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in chunks],
                          rows=[r.row for r, _ in chunks])  # [b, V]
+        self._prefilled(chunks, logits, clock)
+
+    def _prefilled(self, chunks: list[tuple[_Running, int]], logits: torch.Tensor, clock) -> None:
+        """The chunks are in the cache (their rows' last logits [b, V]): a request whose
+        prompt is done offers its prefix blocks and emits its first token."""
         done = []
         for b, (r, c) in enumerate(chunks):
             r.fed += c

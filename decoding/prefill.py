@@ -7,6 +7,7 @@ import operator
 import torch
 
 from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.transformer import Segment
 
 
 def token_id_problems(prompts, vocab_size: int) -> list[str]:
@@ -95,21 +96,38 @@ def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = Non
     return logits
 
 
-def _run(model, cache, prompts: list[list[int]], chunk_size: int | None, rows=None) -> torch.Tensor:
+def _padded(model, cache, prompts: list[list[int]], rows=None):
+    """Right-padded ids [B, T] on the device, lengths n [B], positions and valid [B, T]
+    after what each row holds: padding sits after its row's tokens, never at a valid
+    position (a backend may write padding slots), within the capacity (a padded row needs
+    one free slot after its tokens)."""
     ids, n = pad_prompts(prompts, model.device)
     B, T = ids.shape
     offsets = torch.arange(T)
     held = cache.lengths if rows is None else cache.lengths[list(rows)]
     valid = offsets[None, :] < n[:, None]  # [B, T]
-    # padding sits after its row's tokens, never at a valid position (a backend may write
-    # padding slots), within the capacity: a padded row needs one free slot after its tokens
     full = (held + n >= cache.capacity) & (n < T)  # [B]
     if bool(full.any()):
         raise SetupError(f"rows {torch.nonzero(full).flatten().tolist()} would fill the cache to its capacity "
                          f"({cache.capacity}) in a padded forward, leaving no slot for their padding; prefill them "
                          "alone or build the cache one token larger")
     positions = torch.where(valid, held[:, None] + offsets, (held[:, None] + offsets).clamp(max=cache.capacity - 1))
-    positions, valid = positions.to(model.device), valid.to(model.device)
+    return ids, n, positions.to(model.device), valid.to(model.device)
+
+
+def prompt_segment(model, cache, prompts: list[list[int]], rows: list[int]) -> Segment:
+    """The prompts' tokens for the cache `rows`, after what each holds, as one segment of a
+    forward over several (`Transformer.forward_segments`: a serving engine runs prefill
+    chunks and decode rows in one read of the weights), padded and placed as `prefill`
+    places them; its logits are each row's last prompt position [B, 1, V]."""
+    raise_if(token_id_problems(prompts, model.cfg.vocab_size))
+    ids, n, positions, valid = _padded(model, cache, prompts, rows)
+    return Segment(ids, positions, None if bool(valid.all()) else valid, list(rows), (n - 1)[:, None].to(model.device))
+
+
+def _run(model, cache, prompts: list[list[int]], chunk_size: int | None, rows=None) -> torch.Tensor:
+    ids, n, positions, valid = _padded(model, cache, prompts, rows)
+    T = ids.shape[1]
     step = chunk_size or T
     last = None
     kw = {} if rows is None else {"rows": list(rows)}

@@ -63,6 +63,10 @@ def test_engine_output_equals_each_request_alone(tiny_models, alone, name, backe
     assert all(x.finish_reason == "length" and len(x.token_times) == NEW for x in r.requests)
     assert all(x.ttft_s > 0 and x.queue_s >= 0 for x in r.requests)
     assert max(t["running"] for t in r.timeline) == 3  # the rows were shared, not run one by one
+    if token_budget < max(LENGTHS):  # prompts in chunks beside decode rows: shared forwards (`Engine._mixed`)
+        assert policy == "prefill-first" or any(t["decode_rows"] and t["prefill_tokens"] for t in r.timeline)
+    if policy == "prefill-first":
+        assert not any(t["decode_rows"] and t["prefill_tokens"] for t in r.timeline)
 
 
 @pytest.mark.parametrize("backend", list(SERVING))
