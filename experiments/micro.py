@@ -5,6 +5,7 @@
     decodelab-micro part=kv_quality   # int4 KV (ours, transformers') vs dense, teacher-forced ShareGPT replies
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
+    decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
 """
 
 from __future__ import annotations
@@ -137,7 +138,53 @@ def kv_memory(cfg, lm, hf) -> list[dict]:
                    for name in ("paged", "dense")]
 
 
-PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory}
+@torch.no_grad()
+def mixed_step(cfg, lm, hf) -> list[dict]:
+    """What a prefill chunk costs riding in a serving step (decoding/engine.py): a decode
+    step of `decode_rows` rows (`decode_context` tokens each) and a chunk of T prompt
+    tokens of another row (after `chunk_context`), timed alone, as two forwards (a decode
+    forward, then THE prefill on the chunk's row) and as one forward over both
+    (`Transformer.forward_segments`, what the engine runs), per backend; every forward
+    starts from a copy of the same filled cache (the copy is not timed)."""
+    from copy import deepcopy
+
+    from decodelab.decoding.prefill import prompt_segment
+    from decodelab.models.transformer import Segment
+
+    model, b, rows = lm.model, cfg.decode_rows, []
+    dev = model.device
+    for name in cfg.backends:
+        base = make_cache(model, b + 1, cfg.chunk_context + max(cfg.chunks) + 2, harness.cache_factory(name))
+        prefill(model, base, [synthetic_prompt(lm, cfg.decode_context, seed=i) for i in range(b)], rows=list(range(b)))
+        prefill(model, base, [synthetic_prompt(lm, cfg.chunk_context, seed=b)], rows=[b])
+
+        def decode(c):  # every decoding row feeds one token at its next position
+            return Segment(torch.full((b, 1), 5, device=dev), c.lengths[:b, None].to(dev), None, list(range(b)),
+                           torch.zeros(b, 1, dtype=torch.long, device=dev))
+
+        for T in cfg.chunks:
+            chunk = synthetic_prompt(lm, T, seed=b + 1)
+            variants = {
+                "decode": lambda c: model.forward_segments([decode(c)], c),
+                "chunk": lambda c: prefill(model, c, [chunk], rows=[b]),
+                "two forwards": lambda c: (model.forward_segments([decode(c)], c),
+                                           prefill(model, c, [chunk], rows=[b])),
+                "one forward": lambda c: model.forward_segments([decode(c), prompt_segment(model, c, [chunk], [b])], c),
+            }
+            timers = {v: harness.Timer(dev) for v in variants}
+            for rep in range(cfg.repeats + 1):  # alternating; the first round warms up
+                for v, fn in variants.items():
+                    c = deepcopy(base)
+                    with timers[v]:
+                        fn(c)
+            ms = {v: 1e3 * statistics.median(t.seconds[1:]) for v, t in timers.items()}
+            rows += [{"backend": name, "chunk_tokens": T, "decode_rows": b, "system": v, "ms": ms[v],
+                      "vs_decode": ms[v] / ms["decode"]} for v in variants]
+    return rows
+
+
+PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory,
+         "mixed_step": mixed_step}
 
 
 def check(cfg: DictConfig) -> None:
@@ -145,13 +192,22 @@ def check(cfg: DictConfig) -> None:
     p = [] if cfg.part in PARTS else [f"part must be one of {list(PARTS)}, got {cfg.part!r}"]
     if cfg.part == "verify_cost":
         p += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
-    if cfg.part in ("kv_speed", "kv_memory"):
+    if cfg.part in ("kv_speed", "kv_memory", "mixed_step"):
         known = harness.group_options("cache")
         p += [f"backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.backends if b not in known]
-    p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads"), 1))
-    lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"), "verify_cost": ("tokens", "impls")}
+        if cfg.part == "mixed_step":  # a row's chunk beside other rows' decode: a forward over a subset of rows
+            for b in (b for b in cfg.backends if b in known):
+                f = harness.cache_factory(b)
+                cls = getattr(f, "func", f)
+                if not cls.serves_row_subsets:
+                    p.append(f"backends: {b} cannot run a forward over some of its rows ({cls.row_subset_reason}); "
+                             "part=mixed_step needs one that serves row subsets (dense, paged, int4)")
+    p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
+                                                  "decode_rows", "decode_context", "chunk_context"), 1))
+    lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),
+             "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends")}
     for key in lists.get(cfg.part, ()):
-        items, ints = list(cfg[key]), key in ("contexts", "tokens")
+        items, ints = list(cfg[key]), key in ("contexts", "tokens", "chunks")
         if not items or (ints and not all(isinstance(x, int) and x >= 1 for x in items)):
             p.append(f"{key} must be a non-empty list{' of integers >= 1' if ints else ''}, got {items}")
     p += harness.model_problems(cfg.model)
