@@ -35,6 +35,11 @@ run kv_speed $B/decodelab-micro part=kv_speed 'contexts=[64]' steps=2 repeats=1 
 run kv_quality $B/decodelab-micro part=kv_quality prompts=1 forced_tokens=8 group_size=32 "${TINY[@]}" \
     "hydra.run.dir=$OUT/kv_quality"
 run kv_memory $B/decodelab-micro part=kv_memory 'contexts=[64]' "${TINY[@]}" "hydra.run.dir=$OUT/kv_memory"
+run mixed_step $B/decodelab-micro part=mixed_step 'chunks=[4]' decode_rows=2 decode_context=16 chunk_context=24 \
+    repeats=1 "${TINY[@]}" "hydra.run.dir=$OUT/mixed_step"
+run serve $B/decodelab-serve trace=synthetic requests=4 'synthetic.prompt_tokens=[8,16]' \
+    'synthetic.output_tokens=[4,8]' 'rates=[inf,50]' compare_transformers=false check_alone=2 unloaded=1 "${TINY[@]}" \
+    "hydra.run.dir=$OUT/serve"
 run context $B/decodelab-bench -m experiment=context 'workload.lengths=[64,128]' max_new_tokens=4 "${TINY[@]}" \
     "hydra.sweep.dir=$OUT/context"
 run generate $B/decodelab-generate prompt="Hello" max_new_tokens=4 "${TINY[@]}" json=true
