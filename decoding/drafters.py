@@ -199,11 +199,16 @@ def early_exit(target, layers: int, cache=DenseCache) -> ModelDrafter:
     return ModelDrafter(EarlyExit(target.model, layers), cache, name=f"early-exit-{layers}")
 
 
-def quantized_self(target, weights: str = "int8", cache=DenseCache) -> ModelDrafter:
-    """The target with optimum-quanto weight-only int8/int4 weights as its own draft."""
+def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: int | None = None,
+                   quantize_head: bool = False, allow_slow: bool = False) -> ModelDrafter:
+    """The target with weight-only int8/int4 weights (quanto's quantizers, fast kernels:
+    models/quantize.py) as its own draft; the target keeps its own precision, so greedy
+    speculative output stays the target's."""
     from decodelab.models.quantize import quantize_weights
 
-    return ModelDrafter(quantize_weights(target.model, weights), cache, name=f"self-{weights}")
+    draft = quantize_weights(target.model, weights, group_size=group_size, quantize_head=quantize_head,
+                             allow_slow=allow_slow)
+    return ModelDrafter(draft, cache, name=f"self-{weights}")
 
 
 quantized_self.quantizes_target = True  # declared: setup refuses it for a target quantized already

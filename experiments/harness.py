@@ -165,11 +165,12 @@ def int_problems(cfg, minimums: dict[str, int], nullable: tuple[str, ...] = ("th
 
 
 def model_problems(spec, key: str = "model") -> list[str]:
-    """The non-architecture options of a conf/model spec (weights, matmul)."""
+    """The non-architecture options of a conf/model spec (weights and their options, matmul)."""
     from decodelab.models.loading import model_option_problems
 
     return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
-                                 spec.get("device"), key)
+                                 spec.get("device"), key, spec.get("weight_group_size"),
+                                 spec.get("quantize_head", False), spec.get("allow_slow", False))
 
 
 def draft_problems(cfg: DictConfig) -> list[str]:

@@ -95,20 +95,24 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
 
 def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float32",
                  device: str | None = "auto", name: str = "random", tokenizer: str | None = None,
-                 max_seq_len: int | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
+                 max_seq_len: int | None = None, weights: str = "none", matmul: str = "auto",
+                 weight_group_size: int | None = None, quantize_head: bool = False,
+                allow_slow: bool = False) -> LoadedModel:
     """A randomly initialized model, built directly on its device and dtype (Llama-3-8B
     shapes fit a GPU without a CPU copy); `tokenizer` names a model whose tokenizer it
     borrows."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
     if max_seq_len:
         cfg = cfg.with_(max_seq_len=max_seq_len)
-    raise_if(model_option_problems(weights, matmul, dtype, device))
+    q = _q(weight_group_size, quantize_head, allow_slow)  # the weight quantization options
+    raise_if(model_option_problems(weights, matmul, dtype, device, **q))
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    raise_if(_weight_problems(cfg, weights, dev, **q))
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype=dt).to_empty(device=dev)
     init_random_(model, seed)
-    model = _ready(model, weights, matmul)
+    model = _ready(model, weights, matmul, **q)
     if tokenizer:
         model_spec(tokenizer)  # an unknown name fails now, not at first use
     return LoadedModel(model, name, tokenizer_from=tokenizer)
@@ -122,15 +126,17 @@ def _with_rope_defaults(d: dict) -> dict:
 
 
 def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=None, device=None,
-                          key: str = "model") -> list[str]:
+                          key: str = "model", weight_group_size=None, quantize_head=False,
+                          allow_slow=False) -> list[str]:
     """Every problem of the model options that are not architecture, checked before any
-    weights load: `weights` none | int8 | int4 (optimum-quanto weight-only quantization
-    of the projections) and `matmul` (models.matmul.IMPLS) for a model of `dtype` on
-    `device`; `key` names the options in the messages (`model`, `draft.model`)."""
+    weights load: `weights` none | int8 | int4 (weight-only quantization of the
+    projections, models/quantize.py) with `weight_group_size`, `quantize_head` and
+    `allow_slow`, and `matmul` (models.matmul.IMPLS) for a model of `dtype` on `device`;
+    `key` names the options in the messages (`model`, `draft.model`)."""
     from decodelab.models.matmul import impl_problems
-    from decodelab.models.quantize import WEIGHT_TYPES
+    from decodelab.models.quantize import weight_option_problems
 
-    p = [] if weights in WEIGHT_TYPES else [f"{key}.weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
+    p = weight_option_problems(weights, weight_group_size, quantize_head, allow_slow, key)
     try:
         dt, dev = resolve_dtype(dtype or "float32"), resolve_device(device)
     except SetupError:
@@ -138,14 +144,29 @@ def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=Non
     return p + impl_problems(matmul, dt, dev, key=f"{key}.matmul")
 
 
-def _ready(model: Transformer, weights: str = "none", matmul: str = "auto") -> Transformer:
+def _q(weight_group_size=None, quantize_head=False, allow_slow=False) -> dict:
+    return {"weight_group_size": weight_group_size, "quantize_head": quantize_head, "allow_slow": allow_slow}
+
+
+def _weight_problems(cfg: ModelConfig, weights: str, device, weight_group_size=None, quantize_head=False,
+                     allow_slow=False) -> list[str]:
+    """The weight options against the model's shapes (models/quantize.py), once its config
+    is known and before its weights load."""
+    from decodelab.models.quantize import weight_problems
+
+    return weight_problems(cfg, weights, weight_group_size, quantize_head, allow_slow, device)
+
+
+def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weight_group_size=None,
+           quantize_head: bool = False, allow_slow: bool = False) -> Transformer:
     """Eval mode, the matmul impl, weight quantization, and the CPU head layout built
     now rather than in the first request."""
     model.set_matmul(matmul)
     if weights != "none":
         from decodelab.models.quantize import quantize_weights
 
-        model = quantize_weights(model, weights, copy=False)
+        model = quantize_weights(model, weights, copy=False, group_size=weight_group_size,
+                                 quantize_head=quantize_head, allow_slow=allow_slow)
     if model.lm_head is None and model.device.type == "cpu":
         model.tied_head_t()
     return model.eval()
@@ -153,7 +174,9 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto") -> T
 
 # -- transformers directories -------------------------------------------------------
 def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "auto",
-                name: str | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
+                name: str | None = None, weights: str = "none", matmul: str = "auto",
+                weight_group_size: int | None = None, quantize_head: bool = False,
+                allow_slow: bool = False) -> LoadedModel:
     """A transformers model directory: config.json + *.safetensors. A folder converted
     from a GGUF (it holds a `source.json` record) is checked against what its conversion
     wrote, and rebuilt from its GGUF when it does not match (`_converted_state`)."""
@@ -161,13 +184,16 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
 
     path = Path(path)
     converted = (path / RECORD).is_file()
-    raise_if(([] if converted else _plain_dir_problems(path)) + model_option_problems(weights, matmul, dtype, device))
-    state = _converted_state(path) if converted else _plain_state(path)
+    q = _q(weight_group_size, quantize_head, allow_slow)  # the weight quantization options
+    raise_if(([] if converted else _plain_dir_problems(path))
+             + model_option_problems(weights, matmul, dtype, device, **q))
     cfg = from_hf_config(AutoConfig.from_pretrained(path))
+    raise_if(_weight_problems(cfg, weights, resolve_device(device), **q))  # before the weights load
+    state = _converted_state(path) if converted else _plain_state(path)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(from_hf_state(cfg, state), strict=True, assign=True)
-    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)), weights, matmul)
+    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)), weights, matmul, **q)
     return LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path)
 
 
@@ -429,9 +455,12 @@ def _rebuild_source(out: Path, problem: str) -> Path:
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
-              name: str | None = None, weights: str = "none", matmul: str = "auto") -> LoadedModel:
-    raise_if(model_option_problems(weights, matmul, dtype, device))  # before the conversion
-    return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul)
+              name: str | None = None, weights: str = "none", matmul: str = "auto",
+              weight_group_size: int | None = None, quantize_head: bool = False,
+                allow_slow: bool = False) -> LoadedModel:
+    q = _q(weight_group_size, quantize_head, allow_slow)  # the weight quantization options
+    raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the conversion
+    return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul, **q)
 
 
 def package_file(package: str, file: str | None = None) -> Path:
@@ -453,9 +482,11 @@ def package_file(package: str, file: str | None = None) -> Path:
 
 def load_package_gguf(package: str, file: str | None = None, dtype: str = "float32",
                       device: str | None = "auto", name: str | None = None, weights: str = "none",
-                      matmul: str = "auto") -> LoadedModel:
-    raise_if(model_option_problems(weights, matmul, dtype, device))  # before the file is assembled
-    return load_gguf(package_file(package, file), dtype, device, name, weights, matmul)
+                      matmul: str = "auto", weight_group_size: int | None = None, quantize_head: bool = False,
+                allow_slow: bool = False) -> LoadedModel:
+    q = _q(weight_group_size, quantize_head, allow_slow)  # the weight quantization options
+    raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the file is assembled
+    return load_gguf(package_file(package, file), dtype, device, name, weights, matmul, **q)
 
 
 # -- by name ------------------------------------------------------------------------
