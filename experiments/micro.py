@@ -6,6 +6,7 @@
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
+    decodelab-micro part=weights      # decode tok/s and TTFT with fp32 / int8 / int4 weights vs transformers' fp32
 """
 
 from __future__ import annotations
@@ -183,8 +184,63 @@ def mixed_step(cfg, lm, hf) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def weights(cfg, lm, hf) -> list[dict]:
+    """Batch-1 greedy decode and TTFT of the model with each of `weight_types` (fp32 =
+    none; int4 at `weight_group_size`; `+head`: the LM head quantized too), next to
+    transformers' fp32 `generate()`, on the same synthetic prompts: every system decodes
+    each prompt in turn, `repeats` rounds (the first a warm-up), medians; token agreement
+    of each with our fp32 (greedy: the first differing token)."""
+    from decodelab.decoding import generate, greedy
+    from decodelab.models.quantize import quantize_weights
+    from decodelab.models.reference import hf_generate_timed
+
+    systems = {"fp32": lm.model}
+    for w in cfg.weight_types:
+        kind, head = w.split("+")[0], w.endswith("+head")
+        systems[w] = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
+                                      quantize_head=head)
+    n = cfg.steps
+    rows = []
+    for ctx in cfg.contexts:
+        prompts = [synthetic_prompt(lm, ctx, seed=i) for i in range(cfg.prompts_per_context)]
+        decode, ttft, toks = ({k: [] for k in [*systems, "transformers-fp32"]} for _ in range(3))
+        for rep in range(cfg.repeats + 1):  # round 0 warms up (packing, allocator)
+            for i, prompt in enumerate(prompts):
+                for name, model in systems.items():
+                    r = generate(model, make_cache(model, 1, ctx + n + 1), greedy(), [prompt], n)
+                    t = r.token_times[0]
+                    if rep:
+                        decode[name].append((n - 1) / (t[-1] - t[0]))
+                        ttft[name].append(t[0])
+                    else:  # the tokens once per prompt (greedy: every round the same)
+                        toks[name].append(r.tokens[0])
+                if hf is not None:
+                    out, t = hf_generate_timed(hf, prompt, n)
+                    if rep:
+                        decode["transformers-fp32"].append((n - 1) / (t[-1] - t[0]))
+                        ttft["transformers-fp32"].append(t[0])
+                    else:
+                        toks["transformers-fp32"].append(out)
+        base = statistics.median(decode["fp32"])
+        hf_rate = statistics.median(decode["transformers-fp32"]) if hf is not None else None
+        for name in decode:
+            if not decode[name]:
+                continue
+            same = [a == b for a, b in zip(toks[name], toks["fp32"])]
+            first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), n) for a, b in
+                     zip(toks[name], toks["fp32"])]
+            rate = statistics.median(decode[name])
+            rows.append({"context": ctx, "system": name, "decode_tok_s": rate, "vs_fp32": rate / base,
+                         "vs_transformers": rate / hf_rate if hf_rate else None,
+                         "ttft_ms": 1e3 * statistics.median(ttft[name]),
+                         "identical_to_fp32": f"{sum(same)}/{len(same)}",
+                         "first_difference_median": statistics.median(first)})
+    return rows
+
+
 PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory,
-         "mixed_step": mixed_step}
+         "mixed_step": mixed_step, "weights": weights}
 
 
 def check(cfg: DictConfig) -> None:
@@ -204,8 +260,16 @@ def check(cfg: DictConfig) -> None:
                              "part=mixed_step needs one that serves row subsets (dense, paged, int4)")
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
+    if cfg.part == "weights":
+        from decodelab.models.quantize import weight_option_problems
+
+        kinds = ("int8", "int4", "int8+head", "int4+head")
+        p += [f"weight_types: {w!r} is not one of {list(kinds)}" for w in cfg.weight_types if w not in kinds]
+        p += weight_option_problems("int4", cfg.weight_group_size, key="micro")
+        p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
     lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),
-             "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends")}
+             "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends"),
+             "weights": ("contexts", "weight_types")}
     for key in lists.get(cfg.part, ()):
         items, ints = list(cfg[key]), key in ("contexts", "tokens", "chunks")
         if not items or (ints and not all(isinstance(x, int) and x >= 1 for x in items)):
@@ -217,7 +281,8 @@ def check(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, out) -> list[dict]:
     check(cfg)
     lm = harness.load_model(cfg)
-    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") else None
+    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (cfg.part == "weights"
+                                                                     and cfg.compare_transformers) else None
     rows = PARTS[cfg.part](cfg, lm, hf)
     cond = harness.run_conditions(lm.model)
     rid = harness.run_id(cfg.part)

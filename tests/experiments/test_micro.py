@@ -110,3 +110,19 @@ def test_mixed_step_times_each_way_per_backend_and_chunk(tmp_path, monkeypatch):
         micro(tmp_path, "part=mixed_step", "backends=[sliding]")
     with pytest.raises(SetupError, match="chunks must be a non-empty list of integers >= 1"):
         micro(tmp_path, "part=mixed_step", "chunks=[0]")
+
+
+def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
+    rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=1",
+                 "weight_types=[int8,int4+head]")
+    assert [r["system"] for r in rows] == ["fp32", "int8", "int4+head", "transformers-fp32"]
+    fp32, hf = rows[0], rows[-1]
+    assert fp32["vs_fp32"] == 1.0 and hf["vs_transformers"] == 1.0
+    assert all(r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 for r in rows)
+    assert fp32["identical_to_fp32"] == "1/1" and hf["identical_to_fp32"] == "1/1"  # transformers' greedy = ours
+    import decodelab.models.loading as loading
+
+    monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(SetupError) as e:
+        micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0")
+    assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
