@@ -7,6 +7,7 @@
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
     decodelab-micro part=weights      # decode tok/s and TTFT with fp32 / int8 / int4 weights vs transformers' fp32
+    decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
 """
 
 from __future__ import annotations
@@ -239,8 +240,63 @@ def weights(cfg, lm, hf) -> list[dict]:
     return rows
 
 
+def hf_quanto(hf, weights: str):
+    """A copy of transformers' fp32 model with quanto's weight-only `weights` on its linear
+    layers except the LM head: what `QuantoConfig(weights=...)` does on loading."""
+    from copy import deepcopy
+
+    from optimum.quanto import freeze, qint4, qint8, quantize
+
+    q = deepcopy(hf)
+    quantize(q, weights={"int8": qint8, "int4": qint4}[weights], exclude=["lm_head"])
+    freeze(q)
+    return q.eval()
+
+
+@torch.no_grad()
+def weights_quality(cfg, lm, hf) -> list[dict]:
+    """Teacher-forced agreement with our fp32 model over ShareGPT replies (`prompts` x
+    `forced_tokens`, chat template): top-1 and KL of ours with each of `weight_types`,
+    next to transformers' fp32 model with quanto's int8 / int4 weights (head excluded, as
+    `QuantoConfig` leaves it), and transformers' fp32 itself (the float-rounding floor);
+    each system's forward over prompt + reply timed too."""
+    from decodelab.decoding.agreement import hf_logits
+    from decodelab.models.quantize import quantize_weights
+
+    tok = lm.tokenizer
+    reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
+                    min_reference_tokens=cfg.forced_tokens)(lm)
+    systems = {}
+    for w in cfg.weight_types:
+        kind = w.split("+")[0]
+        m = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
+                             quantize_head=w.endswith("+head"))
+        systems[f"ours {w}"] = lambda p, r, m=m: dense_logits(m, p, r)
+    if hf is not None:
+        systems["transformers fp32"] = lambda p, r: hf_logits(hf, p, r)
+        for kind in dict.fromkeys(w.split("+")[0] for w in cfg.weight_types):
+            q = hf_quanto(hf, kind)
+            systems[f"transformers + quanto {kind}"] = lambda p, r, q=q: hf_logits(q, p, r)
+    per = {name: [] for name in systems}
+    timers = {name: harness.Timer(lm.model.device) for name in systems}
+    for i, req in enumerate(reqs):
+        prompt, ref = tok.encode(req.prompt, chat=True), tok.encode(req.reference)[: cfg.forced_tokens]
+        fp32 = dense_logits(lm.model, prompt, ref).double()
+        for name, fn in systems.items():
+            with timers[name]:
+                logits = fn(prompt, ref)
+            per[name].append(compare(fp32, logits))
+        print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): " + ", ".join(
+            f"{n} top1 {v[-1]['top1']:.3f}" for n, v in per.items()), file=sys.stderr)
+    return [{"system": n, "prompts": len(v), "forced_tokens": cfg.forced_tokens,
+             "top1_vs_fp32": statistics.mean(x["top1"] for x in v), "mean_kl": statistics.mean(x["kl"] for x in v),
+             "worst_prompt_top1": min(x["top1"] for x in v), "forward_ms_median": 1e3 * timers[n].median()}
+            for n, v in per.items()]
+
+
 PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory,
-         "mixed_step": mixed_step, "weights": weights}
+         "mixed_step": mixed_step, "weights": weights,
+         "weights_quality": weights_quality}
 
 
 def check(cfg: DictConfig) -> None:
@@ -260,13 +316,15 @@ def check(cfg: DictConfig) -> None:
                              "part=mixed_step needs one that serves row subsets (dense, paged, int4)")
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
-    if cfg.part == "weights":
+    if cfg.part in ("weights", "weights_quality"):
         from decodelab.models.quantize import weight_option_problems
 
         kinds = ("int8", "int4", "int8+head", "int4+head")
         p += [f"weight_types: {w!r} is not one of {list(kinds)}" for w in cfg.weight_types if w not in kinds]
         p += weight_option_problems("int4", cfg.weight_group_size, key="micro")
         p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
+        if cfg.part == "weights_quality" and not cfg.weight_types:
+            p.append("weight_types must name at least one of int8, int4, int8+head, int4+head")
     lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),
              "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends"),
              "weights": ("contexts", "weight_types")}
@@ -281,7 +339,7 @@ def check(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, out) -> list[dict]:
     check(cfg)
     lm = harness.load_model(cfg)
-    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (cfg.part == "weights"
+    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (cfg.part in ("weights", "weights_quality")
                                                                      and cfg.compare_transformers) else None
     rows = PARTS[cfg.part](cfg, lm, hf)
     cond = harness.run_conditions(lm.model)

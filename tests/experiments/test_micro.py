@@ -126,3 +126,14 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     with pytest.raises(SetupError) as e:
         micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0")
     assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
+
+
+def test_weights_quality_part_against_fp32_ours_and_transformers(tmp_path):
+    rows = micro(tmp_path, "part=weights_quality", "prompts=1", "forced_tokens=8", "weight_types=[int8,int4]")
+    by = {r["system"]: r for r in rows}
+    assert list(by) == ["ours int8", "ours int4", "transformers fp32", "transformers + quanto int8",
+                        "transformers + quanto int4"]
+    assert by["transformers fp32"]["mean_kl"] < 1e-6  # the same model: float rounding only
+    assert 0 < by["ours int8"]["mean_kl"] < by["ours int4"]["mean_kl"]  # quantized for real, int4 the coarser
+    assert 0 < by["transformers + quanto int8"]["mean_kl"]
+    assert all(r["prompts"] == 1 and r["forced_tokens"] == 8 and r["forward_ms_median"] > 0 for r in rows)
