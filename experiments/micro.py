@@ -240,6 +240,23 @@ def weights(cfg, lm, hf) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def decode_shaped_logits(model, prompt: list[int], ref: list[int]) -> torch.Tensor:
+    """Logits [N, V] predicting ref[0..N-1]: the prompt prefilled, then ref[:-1] fed in
+    forwards of `QuantProj.MAX_KERNEL_ROWS` tokens, so that quantized projections compute
+    the reply as decoding does (the packed kernels, bf16 activations), in far fewer steps."""
+    from decodelab.models.quantize import QuantProj
+
+    cache = make_cache(model, 1, len(prompt) + len(ref))
+    out = [prefill(model, cache, [prompt])]  # [1, V]
+    feed, step = ref[:-1], QuantProj.MAX_KERNEL_ROWS
+    for a in range(0, len(feed), step):
+        ids = torch.tensor([feed[a:a + step]], device=model.device)
+        pos = (cache.lengths[:, None] + torch.arange(ids.shape[1])).to(model.device)
+        out.append(model(ids, pos, cache)[0])  # [t, V]
+    return torch.cat(out).float()
+
+
 def hf_quanto(hf, weights: str):
     """A copy of transformers' fp32 model with quanto's weight-only `weights` on its linear
     layers except the LM head: what `QuantoConfig(weights=...)` does on loading."""
@@ -258,8 +275,10 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
     """Teacher-forced agreement with our fp32 model over ShareGPT replies (`prompts` x
     `forced_tokens`, chat template): top-1 and KL of ours with each of `weight_types`,
     next to transformers' fp32 model with quanto's int8 / int4 weights (head excluded, as
-    `QuantoConfig` leaves it), and transformers' fp32 itself (the float-rounding floor);
-    each system's forward over prompt + reply timed too."""
+    `QuantoConfig` leaves it), and transformers' fp32 itself (the float-rounding floor).
+    Ours feeds the reply as decoding computes it (`decode_shaped_logits`), transformers
+    in one forward (quanto's modules compute every row count alike); each system's time
+    per prompt is recorded too."""
     from decodelab.decoding.agreement import hf_logits
     from decodelab.models.quantize import quantize_weights
 
@@ -271,7 +290,7 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
         kind = w.split("+")[0]
         m = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
                              quantize_head=w.endswith("+head"))
-        systems[f"ours {w}"] = lambda p, r, m=m: dense_logits(m, p, r)
+        systems[f"ours {w}"] = lambda p, r, m=m: decode_shaped_logits(m, p, r)
     if hf is not None:
         systems["transformers fp32"] = lambda p, r: hf_logits(hf, p, r)
         for kind in dict.fromkeys(w.split("+")[0] for w in cfg.weight_types):

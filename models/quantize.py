@@ -15,7 +15,10 @@ declared per case (`weight_kernel`):
 Both kernels read bf16 activations: a projection casts its input to bf16 and its output
 back to the model's dtype (an fp32 model keeps fp32 everywhere else). With fp32
 activations the same kernels are 4-20x slower (measured on the issue's AVX-512 machine),
-so that case is never taken.
+so that case is never taken. Products of more than `QuantProj.MAX_KERNEL_ROWS` rows (a
+prefill) dequantize the weight and multiply in the model's dtype: the kernels' cost grows
+with the rows where the CPU has no bf16 arithmetic. int4 keeps its codes twice for that
+(the kernel's packed layout, and plain nibbles): 1 byte per weight instead of 0.5.
 
 A case without a fast kernel (another device, a group size or shape the kernel does not
 take) is refused before the model is quantized, naming the fix; `allow_slow=True` runs it
@@ -149,24 +152,39 @@ class QuantProj(nn.Module):
             self.register_buffer("codes", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
             self.register_buffer("scale_zeros", torch.cat([scale, zero], 2).transpose(0, 1).contiguous()
                                  .to(torch.bfloat16))  # [in / g, out, 2]
+            # the same codes as plain nibbles [out, in / 2] (even input channel low), for the
+            # multi-row products that dequantize (the kernel's packed layout is opaque)
+            self.register_buffer("nibbles", (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    #: products of more rows than this (a prefill) dequantize the weight and multiply in the
+    #: activations' dtype instead: the packed kernels' cost grows with the rows on a CPU
+    #: without bf16 arithmetic (576 x 3072 on 2 AVX2 cores: equal to fp32 at 16 rows, 2-3x
+    #: its cost at 256), while dequantizing costs about one 16-row product
+    MAX_KERNEL_ROWS = 16
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.n_in).to(torch.bfloat16)
-        if self.weights == "int8":
-            y = torch._weight_int8pack_mm(x2, self.codes, self.scales)
+        x2 = x.reshape(-1, self.n_in)
+        if x2.shape[0] > self.MAX_KERNEL_ROWS:
+            y = x2 @ self.dequantized(x.dtype)
+        elif self.weights == "int8":
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.codes, self.scales)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.codes, self.group_size, self.scale_zeros)
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.codes, self.group_size,
+                                                  self.scale_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.n_out)
         return y if self.bias is None else y + self.bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight [in, out] this projection computes with (bf16 scales and zeros
-        applied in float32), read back through the kernel itself: for checks."""
-        eye = torch.eye(self.n_in, dtype=torch.bfloat16, device=self.codes.device)
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [in, out] (a transposed view) this projection computes with: the codes
+        times the bf16 scales, plus the bf16 zeros (int4), in `dtype`."""
         if self.weights == "int8":
-            return (self.codes.float() * self.scales.float()[:, None]).t()
-        return torch._weight_int4pack_mm_for_cpu(eye, self.codes, self.group_size, self.scale_zeros).float()
+            return (self.codes.to(dtype) * self.scales.to(dtype)[:, None]).t()
+        n = self.nibbles
+        q = torch.stack([n & 15, n >> 4], -1).view(self.n_out, self.n_in // self.group_size, self.group_size)
+        scale, zero = self.scale_zeros.to(dtype).transpose(0, 1).unbind(-1)  # [out, in / g] each
+        w = q.to(dtype) * scale[..., None] + (zero - 8 * scale)[..., None]  # (code - 8) x scale + zero
+        return w.view(self.n_out, self.n_in).t()
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.weights == "int4" else ""

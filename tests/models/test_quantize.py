@@ -37,6 +37,14 @@ def test_the_kernel_computes_quantos_quantization(weights, group):
     got = p(x)
     assert got.dtype == torch.float32 and got.shape == (5, 96)
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=float(want.abs().max()) * 2 ** -7)
+    # more rows than the kernel takes (a prefill): the same weight dequantized, fp32 activations
+    many = torch.randn(QuantProj.MAX_KERNEL_ROWS + 1, 192, generator=g)
+    torch.testing.assert_close(p(many), many @ deq, rtol=1e-5, atol=1e-5)
+    # the kernel's own weight, read back through it (identity rows in bf16), is the one dequantized
+    eye = torch.eye(192, dtype=torch.bfloat16)
+    via = (torch._weight_int8pack_mm(eye, p.codes, p.scales) if weights == "int8" else
+           torch._weight_int4pack_mm_for_cpu(eye, p.codes, group, p.scale_zeros)).float()
+    torch.testing.assert_close(via, deq, rtol=2 ** -7, atol=float(deq.abs().max()) * 2 ** -8)
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
