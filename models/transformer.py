@@ -97,10 +97,6 @@ class Packed:
         self.full = [int(i.numel()) == v.numel() for i, v in zip(self.idx, valids)]  # no padding at all
         counts = [int(i.numel()) for i in self.idx]
         self.bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]  # segment s: rows [bounds[s], bounds[s + 1])
-        self.B, self.T = self.shapes[0]  # (of the first segment)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
 
     def pack(self, x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """[B, T, ...] (or one per segment) -> [N, ...]"""
