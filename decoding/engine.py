@@ -2,8 +2,8 @@
 allows, decode together and leave when done; a finished request's cache row serves the
 next one at once.
 
-Every engine step is one forward over segments (`Transformer.forward_segments`) built
-from the running requests:
+An engine step is one forward over segments (`Transformer.forward_segments`) built from
+the running requests (the exceptions are at the end of this paragraph):
 - the decode rows: each decoding request feeds its last token (one row per request; the
   run of rows from the first decoding row to the last, so a dense cache reads it in place,
   the idle rows inside it riding along as padding);
