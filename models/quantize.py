@@ -209,12 +209,13 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
     quantized copy of the embedding). int4 groups `group_size` input channels (None: the
     largest of 128, 64, 32 dividing every projection's input). A case without a fast
     kernel is refused, or with `allow_slow` computed by quanto's own modules."""
+    raise_if(weight_option_problems(weights, group_size, quantize_head, allow_slow))
+    if weights == "none":
+        return model
     if not any(isinstance(m, Proj) for m in model.modules()):
         raise SetupError("this model's projections are quantized already; quantize an unquantized model "
                          "(model.weights=none), or use another draft than a quantized self-draft")
     raise_if(weight_problems(model.cfg, weights, group_size, quantize_head, allow_slow, model.device))
-    if weights == "none":
-        return model
     g = group_size
     if weights == "int4" and g is None:
         g = default_group([n for n, _ in projections(model.cfg, quantize_head).values()])
