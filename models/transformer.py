@@ -112,12 +112,15 @@ class Packed:
 
     def unpack(self, x: torch.Tensor, s: int = 0) -> torch.Tensor:
         """Segment s's rows of [N, ...] -> [B, T, ...], zeros at padding."""
+        return self.unpack_own(x[self.bounds[s]:self.bounds[s + 1]], s)
+
+    def unpack_own(self, mine: torch.Tensor, s: int) -> torch.Tensor:
+        """Segment s's own rows [N_s, ...] -> [B, T, ...], zeros at padding."""
         B, T = self.shapes[s]
-        mine = x[self.bounds[s]:self.bounds[s + 1]]
         if self.full[s]:
-            return mine.reshape(B, T, *x.shape[1:])
-        out = x.new_zeros(B * T, *x.shape[1:])
-        return out.index_copy_(0, self.idx[s], mine).view(B, T, *x.shape[1:])
+            return mine.reshape(B, T, *mine.shape[1:])
+        out = mine.new_zeros(B * T, *mine.shape[1:])
+        return out.index_copy_(0, self.idx[s], mine).view(B, T, *mine.shape[1:])
 
 
 class Attention(nn.Module):
@@ -295,15 +298,8 @@ class Transformer(nn.Module):
             n = picked[i].shape[0]
             part = logits[at:at + n]
             at += n
-            out.append(self._unpack_logits(packed, part, i) if shape is None else part.view(*shape, -1))
+            out.append(packed.unpack_own(part, i) if shape is None else part.view(*shape, -1))
         return out
-
-    @staticmethod
-    def _unpack_logits(packed: Packed, part: torch.Tensor, i: int) -> torch.Tensor:
-        """Segment i's logits [N_i, V] -> [B, T, V], zeros at padding."""
-        full = part.new_zeros(packed.bounds[-1], part.shape[-1])
-        full[packed.bounds[i]:packed.bounds[i + 1]] = part
-        return packed.unpack(full, i)
 
     @staticmethod
     def _prepare_segments(cache, segments: list[Segment]) -> list[dict]:
