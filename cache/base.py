@@ -95,6 +95,10 @@ class StaticView:
     table: torch.Tensor  # [B, M] int32 on the device: block of row b's positions [i * bs, (i + 1) * bs)
     block_size: int  # bs
     host_table: torch.Tensor | None = None  # [B, M] the cache's table, edited in place by `prepare`; None: fixed
+    #: per layer [B, Hkv, S, D]: the same storage as one row-major buffer per layer (a dense
+    #: cache, whose table is the identity), which a CPU step attends over directly; None: pools only
+    rows_k: list[torch.Tensor] | None = None
+    rows_v: list[torch.Tensor] | None = None
 
     def refresh(self) -> None:
         """Host -> device: the block table as the cache's last `prepare` left it (the blocks

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from decodelab.cache.base import reference_attention
 from decodelab.cache.kernels.dispatch import resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
 from decodelab.models.errors import SetupError
@@ -45,7 +46,13 @@ def static_problems(cache, mode: str) -> list[str]:
 
 
 class StaticAttention:
-    """The cache as the captured forward sees it: fixed shapes, device-side positions."""
+    """The cache as the captured forward sees it: fixed shapes, device-side positions.
+
+    On CUDA the cache writes and the attention kernel stay outside torch.compile's graph
+    (opaque calls the CUDA graph captures). On a CPU nothing is captured, so they are
+    traced with the model into one graph: a dense cache's buffers are written and read
+    in place, row-major ([B, Hkv, S, D], no block gather), over the whole capacity with
+    each row's length as a mask."""
 
     def __init__(self, cache, impl: str = "auto"):
         lay, B = cache.layout, cache.batch_size
@@ -56,14 +63,23 @@ class StaticAttention:
         keys = self.storage.table.shape[1] * self.storage.block_size  # positions the table addresses
         self.splits = split_count(B * lay.n_kv_heads, keys, dev)
         self.heads = torch.arange(lay.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
+        self.traced = dev.type == "cpu"  # traced with the model (see the class docstring)
+        self.batch_rows = torch.arange(B, device=dev)[:, None]  # [B, 1]
+        self.kpos = torch.arange(cache.capacity, device=dev)  # [S] every slot of a row-major buffer
 
     def refresh(self) -> None:
         """Host -> device: the block table after `cache.prepare` allocated blocks."""
         self.storage.refresh()
 
-    @torch.compiler.disable  # torch.compile (mode=compile) fuses the model around these; the cache
-    def begin(self) -> None:  # writes stay plain in-place ops (a traced one would copy whole layers)
+    def begin(self) -> None:
         """Per forward, on the device: lengths and the new token's storage slot per (row, head)."""
+        self._begin() if self.traced else self._begin_opaque()
+
+    @torch.compiler.disable  # torch.compile (mode=compile on CUDA) fuses the model around these; the
+    def _begin_opaque(self) -> None:  # cache writes stay plain in-place ops (a traced one would copy whole layers)
+        self._begin()
+
+    def _begin(self) -> None:
         pos = self.pos[:, 0]  # [B]
         self.kv_len = (pos + 1).to(torch.int32)  # the new token is written before attention
         bs = self.storage.block_size
@@ -73,15 +89,39 @@ class StaticAttention:
     def prepare(self, positions, valid=None) -> None:
         """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
 
-    @torch.compiler.disable
     def attend(self, layer, q, k, v):
         """Write k, v [B, Hkv, 1, D] at each row's position; attend q [B, Hq, 1, D]."""
+        if not self.traced:
+            return self._attend_opaque(layer, q, k, v)
+        if self.storage.rows_k is not None:
+            return self._attend_rows(layer, q, k, v)
+        return self._attend(layer, q, k, v)
+
+    @torch.compiler.disable
+    def _attend_opaque(self, layer, q, k, v):
+        return self._attend(layer, q, k, v)
+
+    def _attend(self, layer, q, k, v):
         k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]  # [Hkv, N, bs, D]
         for pool, new in ((k_pool, k), (v_pool, v)):
             pool[self.heads, self.blk[:, None], self.off[:, None]] = new[:, :, 0]  # [B, Hkv, D]
         lay = self.layout
         return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
+
+    def _attend_rows(self, layer, q, k, v):
+        """The row-major buffers [B, Hkv, S, D] of a dense cache, in place, over every slot;
+        a key is seen where its slot is at or before the row's position (and inside the
+        layer's window)."""
+        at = (self.batch_rows, self.heads, self.pos)  # [B, 1], [1, Hkv], [B, 1] -> [B, Hkv]
+        keys, values = self.storage.rows_k[layer], self.storage.rows_v[layer]
+        keys.index_put_(at, k[:, :, 0])
+        values.index_put_(at, v[:, :, 0])
+        lay, w = self.layout, self.layout.windows[layer]
+        seen = self.kpos <= self.pos  # [B, S]
+        if w is not None:
+            seen = seen & (self.kpos > self.pos - w)
+        return reference_attention(q, keys, values, seen[:, None, None], lay.softmax_scale, lay.softcap)
 
 
 class StaticDecoder:
@@ -102,7 +142,11 @@ class StaticDecoder:
         self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.layout.device)  # [B, 1]
         fn = self._forward
         if mode == "compile":
-            fn = torch.compile(fn, backend=backend, dynamic=False)
+            allow_recompiles()
+            if model.lm_head is None and self.view.traced:
+                model.tied_head_t()  # the head copy the traced forward reads
+            # on a CPU the whole step is one graph: a graph break is an error, never a silent slow path
+            fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=self.view.traced)
         self.fn, self.graph, self.logits = fn, None, None
 
     @torch.no_grad()
@@ -137,6 +181,39 @@ class StaticDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self.fn()
+
+
+#: compiled steps one process may hold (each model x batch x capacity compiles once)
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles() -> None:
+    """Let torch.compile keep up to `RECOMPILE_LIMIT` compiled steps (its default, 8,
+    is reached by a benchmark that compiles several models at several capacities), and
+    make going past that an error: dynamo would otherwise run the step eagerly, silently
+    slow. Sets torch._dynamo's process-wide config."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    cfg.fail_on_recompile_limit_hit = True
+
+
+def compiled_step(model, cache, backend: str = "inductor") -> "StaticDecoder":
+    """A `StaticDecoder` of `cache` in mode `compile`, compiled now: one step on the
+    emptied cache (a zero token at position 0), which the closing `reset` forgets, so
+    that no request pays the compile. Shapes already compiled (this model, batch and
+    capacity) only rebuild the wrapper."""
+    cache.reset()
+    dec = StaticDecoder(model, cache, mode="compile", backend=backend)
+    dec.step(torch.zeros(cache.batch_size, dtype=torch.long, device=cache.layout.device))
+    cache.reset()
+    return dec
+
+
+def static_capacity(need: int, limit: int, multiple: int = 256) -> int:
+    """A cache capacity for a compiled step: `need` rounded up to a multiple of
+    `multiple` (no more than `limit`, the model's context), so that requests of nearby
+    lengths share one compiled step instead of compiling one each."""
+    return max(need, min(limit, -(-need // multiple) * multiple))
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ class SamplingDecoder:
     #: what this decoder is, read by setup, bench and report (never its class name):
     needs_drafter = False  # built with a `drafter=` (the `draft` config group)
     lossless_at_temperature_0 = True  # greedy output is the target's own greedy output
+    takes_compiled_step = True  # `step` can take a compiled one-token forward (generate's compile=True)
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int = 0):
@@ -67,11 +68,16 @@ class SamplingDecoder:
 
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
-             left: int | None = None) -> list[list[int]]:
+             left: int | None = None, forward=None) -> list[list[int]]:
         """Feed last [B] at each row's next position; one new token per row (`left`, the
-        most tokens any row may still emit, matters only to decoders that look ahead)."""
-        positions = cache.lengths[:, None].to(model.device)  # [B, 1]
-        logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]
+        most tokens any row may still emit, matters only to decoders that look ahead).
+        `forward(last) -> logits [B, V]`: a compiled step of the same forward (None: the
+        model's own)."""
+        if forward is not None:
+            logits = forward(last)
+        else:
+            positions = cache.lengths[:, None].to(model.device)  # [B, 1]
+            logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]
         return [[t] for t in choose(logits, self.params, self.generator).tolist()]
 
     def output_kept(self, kept: list[int]) -> None:

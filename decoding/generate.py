@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from decodelab.decoding.compiled import compiled_step, static_problems
 from decodelab.decoding.prefill import prefill, token_id_problems
 from decodelab.models.errors import SetupError, raise_if
 
@@ -29,6 +30,7 @@ class GenerationResult:
     tokenize_s: float = 0.0
     kv: dict = field(default_factory=dict)  # cache memory report (formula vs allocated)
     stats: dict = field(default_factory=dict)  # decoder statistics (speculative, ...)
+    compile_s: float = 0.0  # compiling the decode step (compile=True), outside every token time
 
     def ttft(self) -> list[float]:
         """Time to first token per row: tokenize + prefill + first sampling (the token
@@ -47,7 +49,7 @@ class GenerationResult:
             (t[0] for t in self.token_times if t), default=0.0)
         return {
             "ttft_s": statistics.median(self.ttft()) if self.ttft() else None,
-            "prefill_s": self.prefill_s, "tokenize_s": self.tokenize_s,
+            "prefill_s": self.prefill_s, "tokenize_s": self.tokenize_s, "compile_s": self.compile_s,
             **{f"itl_p{q}_ms": percentile(itl, q) for q in (50, 95, 99)},
             "decode_tok_s": n_dec / dec_s if dec_s > 0 else None,
             "new_tokens": sum(len(t) for t in self.tokens), **self.kv, **self.stats,
@@ -73,9 +75,10 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), tokenizer=None) -> None:
+def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), tokenizer=None,
+                 compile: bool = False) -> None:
     """Every problem with a generation request, raised together before any forward."""
-    p = []
+    p = compile_problems(cache, decoder) if compile else []
     if not isinstance(prompts, list) or not prompts:
         raise SetupError("prompts must be a non-empty list of token-id lists")
     p += token_id_problems(prompts, model.cfg.vocab_size)
@@ -100,6 +103,14 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
                  "before its first token")
     p += decoder.problems(model, cache)
     raise_if(p)
+
+
+def compile_problems(cache, decoder) -> list[str]:
+    """Why `compile=True` cannot serve this cache and decoder (empty when it can)."""
+    p = [] if getattr(decoder, "takes_compiled_step", False) else [
+        "compile=true compiles the one-token decode step of plain decoding (decoder=greedy or sampling); this "
+        "decoder feeds several tokens per step (a speculative verify): use compile=false"]
+    return p + [f"compile=true: {r}" for r in static_problems(cache, "compile")]
 
 
 def _length(ids) -> int:
@@ -165,14 +176,22 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
              eos_ids=(), stop=(), tokenizer=None, on_token: TokenCallback | None = None,
              prefill_chunk: int | None = None, t_start: float | None = None,
-             tokenize_s: float = 0.0) -> GenerationResult:
+             tokenize_s: float = 0.0, compile: bool = False) -> GenerationResult:
     """Generate up to `max_new_tokens` per row after `prompts` [B][n_b] token ids.
 
     The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
-    end a row at the text before them; `on_token` streams tokens as they come."""
+    end a row at the text before them; `on_token` streams tokens as they come.
+    `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
+    before the prefill (once per model, batch and cache capacity in a process): its time
+    is `compile_s`, and the token times leave it out (they count from `t_start` plus it)."""
     stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string, not its letters
-    check_inputs(model, cache, decoder, prompts, max_new_tokens, stop, tokenizer)
-    t0 = t_start if t_start is not None else time.perf_counter()
+    check_inputs(model, cache, decoder, prompts, max_new_tokens, stop, tokenizer, compile)
+    forward, compile_s = {}, 0.0
+    if compile:
+        t = time.perf_counter()
+        forward = {"forward": compiled_step(model, cache).step}
+        compile_s = time.perf_counter() - t
+    t0 = t_start + compile_s if t_start is not None else time.perf_counter()
     cache.reset()
     decoder.begin(model.device, prompts, cache.capacity)
     rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), stop, tokenizer, on_token, t0)
@@ -185,7 +204,7 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
         rows.add(b, [t])
     while not rows.done():
         left = max(max_new_tokens - len(t) for t, r in zip(rows.tokens, rows.reason) if r is None)
-        produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason], left=left)
+        produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason], left=left, **forward)
         kept = [rows.add(b, toks) for b, toks in enumerate(produced)]
         getattr(decoder, "output_kept", lambda kept: None)(kept)  # stats count the output
         last = torch.tensor([p[-1] for p in produced], device=model.device)
@@ -194,4 +213,4 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
         text = [rows.text[b] if rows.reason[b] == "stop" else tokenizer.decode(rows.tokens[b])
                 for b in range(len(prompts))]
     return GenerationResult(rows.tokens, text, rows.reason, [len(p) for p in prompts], rows.times,
-                            prefill_s, tokenize_s, cache.memory_report(), decoder.stats)
+                            prefill_s, tokenize_s, cache.memory_report(), decoder.stats, compile_s)

@@ -9,6 +9,7 @@ import torch
 
 from decodelab.cache.base import CacheLayout, KVCache, planned_bytes
 from decodelab.cache.dense import DenseCache
+from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.decoders import SamplingDecoder
 from decodelab.decoding.generate import GenerationResult, TokenCallback, generate
 from decodelab.models.errors import SetupError, raise_if
@@ -81,15 +82,20 @@ def make_cache(model, batch_size: int, capacity: int, backend: CacheFactory = De
 
 def generate_text(lm, prompts: str | list[str], *, decoder=None, cache: CacheFactory = DenseCache,
                   max_new_tokens: int = 64, chat: bool = False, stop=(),
-                  on_token: TokenCallback | None = None, prefill_chunk: int | None = None) -> GenerationResult:
-    """Generate from text prompts with a `LoadedModel`; greedy and dense by default."""
+                  on_token: TokenCallback | None = None, prefill_chunk: int | None = None,
+                  compile: bool = False) -> GenerationResult:
+    """Generate from text prompts with a `LoadedModel`; greedy and dense by default.
+    `compile=True`: a compiled decode step (`generate`), over a capacity rounded up so
+    that nearby prompt lengths share one compile (`static_capacity`)."""
     t0 = time.perf_counter()
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [lm.tokenizer.encode(t, chat=chat) for t in texts]
     tokenize_s = time.perf_counter() - t0
     decoder = decoder or SamplingDecoder()
     capacity = max(len(x) for x in ids) + max_new_tokens + decoder.lookahead
+    if compile:
+        capacity = static_capacity(capacity, lm.model.cfg.max_seq_len)
     kv = make_cache(lm.model, len(ids), capacity, cache)
     return generate(lm.model, kv, decoder, ids, max_new_tokens,
                     eos_ids=lm.tokenizer.eos_ids, stop=stop, tokenizer=lm.tokenizer, on_token=on_token,
-                    prefill_chunk=prefill_chunk, t_start=t0, tokenize_s=tokenize_s)
+                    prefill_chunk=prefill_chunk, t_start=t0, tokenize_s=tokenize_s, compile=compile)

@@ -29,6 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.decoding.agreement import compare, dense_logits, first_diff, pool, setup_logits
+from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.speculative import predicted_speedups
@@ -100,9 +101,12 @@ def measure_batch(lm, factory, decoder, reqs, cfg, hf=None) -> list[dict]:
     t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
     ids = [r.encode(tok) for r in reqs]
     tokenize_s = time.perf_counter() - t0
-    cache = make_cache(lm.model, len(ids), max(map(len, ids)) + cfg.max_new_tokens + decoder.lookahead, factory)
+    need = max(map(len, ids)) + cfg.max_new_tokens + decoder.lookahead
+    cache = make_cache(lm.model, len(ids), static_capacity(need, lm.cfg.max_seq_len) if cfg.compile else need,
+                       factory)
     eos = () if cfg.ignore_eos else _eos(lm)
-    res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=eos, t_start=t0, tokenize_s=tokenize_s)
+    res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=eos, t_start=t0, tokenize_s=tokenize_s,
+                   compile=cfg.compile)
     recs = [prompt_record(res, b, r.id, ids[b], factory, decoder, lm, cfg) for b, r in enumerate(reqs)]
     if cfg.compare_greedy and decoder.needs_drafter:
         plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=eos)
@@ -134,6 +138,7 @@ def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, d
     dec_s = _decode_s(times)
     rec = {"kind": "prompt", "prompt_id": prompt_id, "prompt_tokens": n, "new_tokens": len(res.tokens[b]),
            "finish": res.finish_reasons[b], "tokenize_ms": 1e3 * res.tokenize_s, "prefill_ms": 1e3 * res.prefill_s,
+           "compile_ms": 1e3 * res.compile_s,
            "first_sample_ms": 1e3 * (times[0] - res.tokenize_s - res.prefill_s), "ttft_ms": 1e3 * times[0],
            "itl_ms": [1e3 * x for x in itl], "context": [n + i for i in range(len(itl))],
            **{f"itl_p{q}_ms": percentile(sorted(itl), q) for q in (50, 95, 99)},

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
+from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
@@ -94,6 +95,8 @@ def report(result, out=None) -> None:
     print(f"TTFT {fmt(1000 * s['ttft_s'], ' ms')} (tokenize {1000 * s['tokenize_s']:.1f} ms, "
           f"prefill {1000 * s['prefill_s']:.1f} ms) | ITL p50 {fmt(s['itl_p50_ms'], ' ms')} "
           f"p95 {fmt(s['itl_p95_ms'], ' ms')} | decode {fmt(s['decode_tok_s'], ' tok/s')}", file=out)
+    if s["compile_s"]:
+        print(f"compiled decode step: {s['compile_s']:.1f} s before the prefill (not in TTFT or ITL)", file=out)
     print(f"KV cache: {s['kv_tokens']} tokens, formula {s['kv_bytes_formula']:,} B "
           f"(2 x layers x kv_heads x tokens x head_dim x bytes), allocated {s['kv_bytes_allocated']:,} B", file=out)
 
@@ -108,6 +111,7 @@ def record(result, conditions: dict) -> dict:
         "text": result.text[0], "finish": result.finish_reasons[0],
         "prompt_tokens": result.prompt_lengths[0], "new_tokens": s["new_tokens"],
         "ttft_ms": ms(s["ttft_s"]), "tokenize_ms": ms(s["tokenize_s"]), "prefill_ms": ms(s["prefill_s"]),
+        "compile_ms": ms(s["compile_s"]),
         **{k: s[k] for k in ("itl_p50_ms", "itl_p95_ms", "itl_p99_ms", "decode_tok_s")},
         **{k: s[k] for k in ("kv_tokens", "kv_bytes_formula", "kv_bytes_allocated")},
         "stats": result.stats, "conditions": conditions,
@@ -124,12 +128,13 @@ def run(cfg: DictConfig):
     t0 = time.perf_counter()  # TTFT counts from here: tokenizing is part of it
     ids = tok.encode(text, chat=cfg.chat_template, system=cfg.system)
     tokenize_s = time.perf_counter() - t0
-    cache = make_cache(lm.model, 1, len(ids) + cfg.max_new_tokens + decoder.lookahead, factory)
+    need = len(ids) + cfg.max_new_tokens + decoder.lookahead
+    cache = make_cache(lm.model, 1, static_capacity(need, lm.cfg.max_seq_len) if cfg.compile else need, factory)
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
     stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream and not cfg.json else None
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
                       stop=stop_strings(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
-                      t_start=t0, tokenize_s=tokenize_s)
+                      t_start=t0, tokenize_s=tokenize_s, compile=cfg.compile)
     emit(cfg, result, harness.run_conditions(lm.model), streamed=stream is not None)
     return result
 

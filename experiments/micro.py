@@ -6,7 +6,7 @@
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
-    decodelab-micro part=weights      # decode tok/s and TTFT with fp32 / int8 / int4 weights vs transformers' fp32
+    decodelab-micro part=weights      # decode tok/s and TTFT, fp32 / int8 / int4 weights, eager and compiled, vs transformers
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
 """
 
@@ -188,29 +188,35 @@ def mixed_step(cfg, lm, hf) -> list[dict]:
 @torch.no_grad()
 def weights(cfg, lm, hf) -> list[dict]:
     """Batch-1 greedy decode and TTFT of the model with each of `weight_types` (fp32 =
-    none; int4 at `weight_group_size`; `+head`: the LM head quantized too), next to
-    transformers' fp32 `generate()`, on the same synthetic prompts: every system decodes
-    each prompt in turn, `repeats` rounds (the first a warm-up), medians; token agreement
-    of each with our fp32 (greedy: the first differing token)."""
+    none; int4 at `weight_group_size`; `+head`: the LM head quantized too), each eager
+    and, with `weight_compile`, through the compiled decode step (`generate(compile=True)`,
+    "compiled" in the name; its compile time apart, `compile_s`: the first call of a
+    context compiles, the others reuse it), next to transformers' fp32 `generate()`, on the
+    same synthetic prompts: every system decodes each prompt in turn, `repeats` rounds (the
+    first a warm-up), medians; token agreement of each with our eager fp32 (greedy: the
+    first differing token)."""
     from decodelab.decoding import generate, greedy
     from decodelab.models.quantize import quantize_weights
     from decodelab.models.reference import hf_generate_timed
 
-    systems = {"fp32": lm.model}
+    models = {"fp32": lm.model}
     for w in cfg.weight_types:
         kind, head = w.split("+")[0], w.endswith("+head")
-        systems[w] = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
-                                      quantize_head=head)
+        models[w] = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
+                                     quantize_head=head)
+    systems = {f"{name}{' compiled' if c else ''}": (model, c) for name, model in models.items()
+               for c in ([False, True] if cfg.weight_compile else [False])}
     n = cfg.steps
     rows = []
     for ctx in cfg.contexts:
         prompts = [synthetic_prompt(lm, ctx, seed=i) for i in range(cfg.prompts_per_context)]
-        decode, ttft, toks = ({k: [] for k in [*systems, "transformers-fp32"]} for _ in range(3))
-        for rep in range(cfg.repeats + 1):  # round 0 warms up (packing, allocator)
+        decode, ttft, toks, comp = ({k: [] for k in [*systems, "transformers-fp32"]} for _ in range(4))
+        for rep in range(cfg.repeats + 1):  # round 0 warms up (packing, allocator) and compiles
             for i, prompt in enumerate(prompts):
-                for name, model in systems.items():
-                    r = generate(model, make_cache(model, 1, ctx + n + 1), greedy(), [prompt], n)
+                for name, (model, c) in systems.items():
+                    r = generate(model, make_cache(model, 1, ctx + n + 1), greedy(), [prompt], n, compile=c)
                     t = r.token_times[0]
+                    comp[name].append(r.compile_s)
                     if rep:
                         decode[name].append((n - 1) / (t[-1] - t[0]))
                         ttft[name].append(t[0])
@@ -235,6 +241,7 @@ def weights(cfg, lm, hf) -> list[dict]:
             rows.append({"context": ctx, "system": name, "decode_tok_s": rate, "vs_fp32": rate / base,
                          "vs_transformers": rate / hf_rate if hf_rate else None,
                          "ttft_ms": 1e3 * statistics.median(ttft[name]),
+                         "compile_s": max(comp[name], default=0.0),
                          "identical_to_fp32": f"{sum(same)}/{len(same)}",
                          "first_difference_median": statistics.median(first)})
     return rows
@@ -342,6 +349,8 @@ def check(cfg: DictConfig) -> None:
         p += [f"weight_types: {w!r} is not one of {list(kinds)}" for w in cfg.weight_types if w not in kinds]
         p += weight_option_problems("int4", cfg.weight_group_size, key="micro")
         p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
+        if cfg.part == "weights" and not isinstance(cfg.weight_compile, bool):
+            p.append(f"weight_compile must be true or false, got {cfg.weight_compile!r}")
         if cfg.part == "weights_quality" and not cfg.weight_types:
             p.append("weight_types must name at least one of int8, int4, int8+head, int4+head")
     lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),

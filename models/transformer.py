@@ -343,7 +343,10 @@ class Transformer(nn.Module):
 
     def tied_head_t(self) -> torch.Tensor:
         """[D, V] contiguous copy of the tied embedding, for the CPU's faster layout
-        (rebuilt whenever the embedding's storage, dtype or device changes)."""
+        (rebuilt whenever the embedding's storage, dtype or device changes). Traced by
+        torch.compile, the copy made before compiling (a compiled step makes it first)."""
+        if torch.compiler.is_compiling() and self._head_t is not None:
+            return self._head_t[1]
         w = self.embed.weight
         key = (w.data_ptr(), w.dtype, w.device, version_of(w))
         if self._head_t is None or self._head_t[0] != key:

@@ -4,6 +4,7 @@ through torch.compile (backend=eager). The CUDA-graph mode runs in experiments/g
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from decodelab.cache.int4 import QuantizedCache
 from decodelab.cache.paged import PagedCache
 from decodelab.cache.sliding import SlidingCache
-from decodelab.decoding import prefill
+from decodelab.decoding import SamplingDecoder, generate, greedy, prefill
 from decodelab.cache.kernels.paged import dense_as_pool
 from decodelab.decoding.compiled import StaticDecoder, greedy_decode
 from decodelab.models.errors import SetupError
@@ -73,3 +74,74 @@ def test_unsupported_caches_and_modes_are_refused(tiny_llama, tiny_gemma):
     with pytest.raises(SetupError) as e:  # every reason at once
         StaticDecoder(model, cache_for(model, 1, 32, partial(QuantizedCache, group_size=32)), mode="fast")
     assert len(e.value.reasons) == 2
+
+
+# -- generate(compile=True) -------------------------------------------------------------------------
+def _gen(model, factory, decoder, compile, prompts=PROMPTS, n=10, capacity=40):
+    cache = cache_for(model, len(prompts), capacity) if factory is None else cache_for(model, len(prompts), capacity,
+                                                                                       factory)
+    return generate(model, cache, decoder, prompts, n, compile=compile)
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    """generate's compiled step through dynamo's `eager` backend: the same whole-graph
+    trace (a graph break is an error) without inductor's C++ build, for speed."""
+    g = sys.modules["decodelab.decoding.generate"]  # the module (the package exports its function by that name)
+    monkeypatch.setattr(g, "compiled_step", partial(g.compiled_step, backend="eager"))
+
+
+@pytest.mark.parametrize("backend", ["dense", "paged"])
+def test_generate_compiled_equals_eager_every_family(tiny, backend, eager_backend):
+    """Greedy and seeded sampling: token-identical with and without compile=True, on
+    every tiny family (Gemma 3's windowed layers included: the dense buffers are masked
+    by each layer's window)."""
+    model = tiny.model
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    for make in (lambda: SamplingDecoder(), lambda: SamplingDecoder(temperature=0.8, top_k=20, seed=3)):
+        want = _gen(model, factory, make(), False)
+        got = _gen(model, factory, make(), True)
+        assert got.tokens == want.tokens
+        assert got.compile_s > 0 and want.compile_s == 0.0
+        assert got.summary()["compile_s"] == got.compile_s
+
+
+def test_generate_compiled_with_inductor(tiny_llama):
+    """The real thing: inductor's CPU code, equal to the eager loop token for token, and a
+    second generate of the same shapes reuses the compiled step (no new compile)."""
+    model = tiny_llama.model
+    want = _gen(model, None, greedy(), False, n=12)
+    first = _gen(model, None, greedy(), True, n=12)
+    again = _gen(model, None, greedy(), True, n=12)
+    assert first.tokens == want.tokens == again.tokens
+    assert again.compile_s < first.compile_s / 5
+
+
+def test_generate_compile_refusals(tiny_llama, tiny_gemma):
+    """compile=True with a decoder that verifies several tokens, or a cache with no fixed
+    shape view: refused before any forward, every reason at once, the fix named."""
+    from decodelab.decoding.drafters import PromptLookupDrafter
+    from decodelab.decoding.speculative import SpeculativeDecoder
+
+    model = tiny_llama.model
+    spec = SpeculativeDecoder(PromptLookupDrafter(), gamma=2)
+    cache = cache_for(model, 2, 40, partial(QuantizedCache, group_size=32))
+    with pytest.raises(SetupError) as e:
+        generate(model, cache, spec, PROMPTS, 4, compile=True)
+    msg = str(e.value)
+    assert "compile=true compiles the one-token decode step" in msg and "use compile=false" in msg
+    assert "compile=true: the QuantizedCache backend cannot" in msg
+    assert int(cache.lengths.max()) == 0  # nothing ran
+    gemma = tiny_gemma.model
+    with pytest.raises(SetupError, match="compile=true: the SlidingCache backend cannot"):
+        generate(gemma, cache_for(gemma, 2, 40, SlidingCache), SamplingDecoder(), PROMPTS, 4, compile=True)
+
+
+def test_static_capacity_rounds_up_within_the_model():
+    from decodelab.decoding.compiled import static_capacity
+
+    assert static_capacity(100, 8192) == 256
+    assert static_capacity(256, 8192) == 256
+    assert static_capacity(257, 8192) == 512
+    assert static_capacity(300, 400) == 400  # never past the model's context
+    assert static_capacity(450, 400) == 450  # (a request past it is refused elsewhere)

@@ -3,6 +3,7 @@ record with `json=true`); logs and the summary go to stderr."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -49,14 +50,34 @@ def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
     ("decoder.temperature=-1", "temperature"),
     ("decoder.top_p=1.5", "top_p"),
     ("max_new_tokens=0", "max_new_tokens"),
+    ("compile=maybe", "compile must be true or false"),
+    ("decoder=speculative draft=prompt-lookup compile=true", "compile=true compiles the one-token decode step"),
+    ("cache=int4 compile=true", "compile=true: the QuantizedCache backend cannot give a fixed-shape view"),
 ])
 def test_bad_requests_fail_before_weights_load(override, match, monkeypatch):
     import decodelab.models.loading as loading
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
-    args = ["model=tiny-llama", "prompt=hi", override]
+    args = ["model=tiny-llama", "prompt=hi", *override.split()]
     with pytest.raises(SetupError, match=match):
         run(config(*args))
+
+
+def test_generate_compiled_reports_the_compile_apart(capsys, monkeypatch):
+    """compile=true: the same tokens as the eager loop; the summary and the JSON record
+    carry the compile time, which TTFT leaves out."""
+    g = sys.modules["decodelab.decoding.generate"]  # the module (the package exports its function by that name)
+    monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))
+    args = ["model=tiny-llama", "model.device=cpu", "prompt=Hello there", "max_new_tokens=6", "stream=false"]
+    want = run(config(*args))
+    capsys.readouterr()
+    got = run(config(*args, "compile=true", "json=true"))
+    out, err = capsys.readouterr()
+    rec = json.loads(out)
+    assert got.tokens == want.tokens
+    assert rec["compile_ms"] > 0 and rec["compile_ms"] == pytest.approx(1e3 * got.compile_s)
+    assert "compiled decode step" in err and "not in TTFT" in err
+    assert rec["ttft_ms"] < rec["compile_ms"]  # tracing the step takes far longer than this request's TTFT
 
 
 def test_cli_exit_code_and_message():

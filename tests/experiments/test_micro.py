@@ -3,6 +3,7 @@ report, and bad options refused before the model loads."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -113,13 +114,20 @@ def test_mixed_step_times_each_way_per_backend_and_chunk(tmp_path, monkeypatch):
 
 
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
+    g = sys.modules["decodelab.decoding.generate"]  # compiled steps through dynamo's eager backend (fast to build)
+    monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))
     rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=1",
                  "weight_types=[int8,int4+head]")
-    assert [r["system"] for r in rows] == ["fp32", "int8", "int4+head", "transformers-fp32"]
-    fp32, hf = rows[0], rows[-1]
+    assert [r["system"] for r in rows] == ["fp32", "fp32 compiled", "int8", "int8 compiled", "int4+head",
+                                           "int4+head compiled", "transformers-fp32"]
+    by = {r["system"]: r for r in rows}
+    fp32, hf = by["fp32"], by["transformers-fp32"]
     assert fp32["vs_fp32"] == 1.0 and hf["vs_transformers"] == 1.0
     assert all(r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 for r in rows)
     assert fp32["identical_to_fp32"] == "1/1" and hf["identical_to_fp32"] == "1/1"  # transformers' greedy = ours
+    assert by["fp32 compiled"]["identical_to_fp32"] == "1/1"  # the compiled step decodes the same tokens
+    assert by["int8 compiled"]["identical_to_fp32"] == by["int8"]["identical_to_fp32"]
+    assert all((r["compile_s"] > 0) == r["system"].endswith("compiled") for r in rows if r is not hf)
     import decodelab.models.loading as loading
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
