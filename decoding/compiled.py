@@ -143,8 +143,9 @@ class StaticDecoder:
         fn = self._forward
         if mode == "compile":
             allow_recompiles()
-            if model.lm_head is None and self.view.traced:
-                model.tied_head_t()  # the head copy the traced forward reads
+            core = getattr(model, "model", model)  # a wrapper (the early-exit draft) holds the Transformer
+            if core.lm_head is None and self.view.traced:
+                core.tied_head_t()  # the head copy the traced forward reads
             # on a CPU the whole step is one graph: a graph break is an error, never a silent slow path
             fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=self.view.traced)
         self.fn, self.graph, self.logits = fn, None, None

@@ -4,16 +4,20 @@ accepted.
 
 - `ModelDrafter`: a draft model with its own cache (any backend); also the truncated
   self-draft (the target's first K layers + final norm + head) and the quantized
-  self-draft (the target with optimum-quanto int8/int4 weights).
+  self-draft (the target with optimum-quanto int8/int4 weights). With `compile=True` its
+  one-token draft steps run a compiled step (decoding/compiled.py), compiled in `begin`.
 - `PromptLookupDrafter`: n-gram match against the prompt and the text so far; its
   proposals are deterministic, so q is one-hot.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from decodelab.cache.dense import DenseCache
+from decodelab.decoding.compiled import compiled_step
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs, sample
 from decodelab.decoding.text import make_cache
@@ -44,10 +48,13 @@ class EarlyExit(torch.nn.Module):
 class ModelDrafter:
     """Draft with a model whose vocabulary is the target's, through its own cache."""
 
-    def __init__(self, model, cache=DenseCache, tokenizer=None, target_tokenizer=None, name: str = "draft"):
+    def __init__(self, model, cache=DenseCache, tokenizer=None, target_tokenizer=None, name: str = "draft",
+                 compile: bool = False):
         self.model, self.cache_factory, self.name = model, cache, name
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
-        self.cache = None
+        self.compile = compile
+        self.cache = self.static = None
+        self.compile_s = 0.0  # the last `begin`'s compile (compile=True), which `generate` reports apart
 
     def __repr__(self) -> str:
         return f"ModelDrafter({self.name})"
@@ -64,9 +71,13 @@ class ModelDrafter:
 
     def begin(self, prompts: list[list[int]], capacity: int) -> None:
         """A draft cache as large as the target's, prefilled with the prompts (the shared prefill);
-        one the draft model cannot hold is refused naming the draft, before any prefill."""
+        one the draft model cannot hold is refused naming the draft, before any prefill. With
+        `compile`, the draft step is compiled first (once per shape in a process)."""
         try:  # make_cache checks before it allocates; its reasons are the draft's
             self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
+            t = time.perf_counter()
+            self.static = compiled_step(self.model, self.cache) if self.compile else None
+            self.compile_s = time.perf_counter() - t if self.compile else 0.0
         except SetupError as e:
             raise SetupError([f"draft {self.name}: {r}" for r in e.reasons]) from None
         if self.cache.rollback_limit < 1:
@@ -93,14 +104,17 @@ class ModelDrafter:
         """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
         feeds = [p + [int(t)] for p, t in zip(self.pending, last.tolist())]
         self._last_at = self.cache.lengths + torch.tensor([len(f) - 1 for f in feeds])  # [B] position of last
-        logits = self._feed(feeds)  # [B, V]
+        one = self.static is not None and all(len(f) == 1 for f in feeds)  # one token per row: the compiled step
+        logits = self.static.step(last) if one else self._feed(feeds)  # [B, V]
         tokens, probs = [], []
         for i in range(gamma):
             q = logits_to_probs(logits, params)  # [B, V]
             x = q.argmax(-1) if params.greedy else sample(q, generator)
             tokens.append(x)
             probs.append(q)
-            if i < gamma - 1:
+            if i < gamma - 1 and self.static is not None:
+                logits = self.static.step(x)
+            elif i < gamma - 1:
                 pos = self.cache.lengths[:, None].to(self.model.device)
                 logits = self.model(x[:, None], pos, self.cache)[:, -1]
         self._draft = torch.stack(tokens, 1)  # [B, G]
@@ -189,18 +203,18 @@ class PromptLookupDrafter:
 
 
 # -- builders used by conf/draft/*.yaml (`target` is the target's LoadedModel) ----------
-def early_exit(target, layers: int, cache=DenseCache) -> ModelDrafter:
+def early_exit(target, layers: int, cache=DenseCache, compile: bool = False) -> ModelDrafter:
     """Truncated self-draft: the target's first `layers` layers + final norm + head."""
     from decodelab.models.errors import SetupError
 
     n = target.model.cfg.n_layers
     if not isinstance(layers, int) or not 1 <= layers < n:
         raise SetupError(f"early-exit draft layers must be in [1, {n - 1}] for this {n}-layer target, got {layers}")
-    return ModelDrafter(EarlyExit(target.model, layers), cache, name=f"early-exit-{layers}")
+    return ModelDrafter(EarlyExit(target.model, layers), cache, name=f"early-exit-{layers}", compile=compile)
 
 
 def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: int | None = None,
-                   quantize_head: bool = False, allow_slow: bool = False) -> ModelDrafter:
+                   quantize_head: bool = False, allow_slow: bool = False, compile: bool = False) -> ModelDrafter:
     """The target with weight-only int8/int4 weights (quanto's quantizers, fast kernels:
     models/quantize.py) as its own draft; the target keeps its own precision, so greedy
     speculative output stays the target's."""
@@ -208,7 +222,7 @@ def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: 
 
     draft = quantize_weights(target.model, weights, group_size=group_size, quantize_head=quantize_head,
                              allow_slow=allow_slow)
-    return ModelDrafter(draft, cache, name=f"self-{weights}")
+    return ModelDrafter(draft, cache, name=f"self-{weights}", compile=compile)
 
 
 quantized_self.quantizes_target = True  # declared: setup refuses it for a target quantized already
@@ -218,11 +232,12 @@ def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=Non
     return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
 
 
-def draft_model(target, model, cache=DenseCache) -> ModelDrafter:
+def draft_model(target, model, cache=DenseCache, compile: bool = False) -> ModelDrafter:
     """Another checkpoint as the draft (a LoadedModel, or a conf/model spec to load; Hydra
     hands over the loaded model); its tokenizer must be the target's."""
     from decodelab.models.loading import LoadedModel, instantiate_unwrapped
 
     lm = model if isinstance(model, LoadedModel) else instantiate_unwrapped(model)
     tok = lambda m: m.tokenizer if (m.tokenizer_dir or m.tokenizer_from) else None  # noqa: E731
-    return ModelDrafter(lm.model, cache, tokenizer=tok(lm), target_tokenizer=tok(target), name=lm.name)
+    return ModelDrafter(lm.model, cache, tokenizer=tok(lm), target_tokenizer=tok(target), name=lm.name,
+                        compile=compile)

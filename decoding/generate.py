@@ -194,6 +194,8 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     t0 = t_start + compile_s if t_start is not None else time.perf_counter()
     cache.reset()
     decoder.begin(model.device, prompts, cache.capacity)
+    begin_compile = getattr(decoder, "compile_s", 0.0)  # a drafter's compiled step, compiled in `begin`
+    t0, compile_s = t0 + begin_compile, compile_s + begin_compile
     rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), stop, tokenizer, on_token, t0)
     t_prefill = time.perf_counter()
     logits = prefill(model, cache, prompts, prefill_chunk)

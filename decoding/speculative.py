@@ -199,6 +199,11 @@ class SpeculativeDecoder:
     def stats(self) -> dict:
         return self._stats.summary()
 
+    @property
+    def compile_s(self) -> float:
+        """Seconds the last `begin` spent compiling the drafter's step (0 without one)."""
+        return getattr(self.drafter, "compile_s", 0.0)
+
     def begin(self, device: torch.device, prompts: list[list[int]], capacity: int) -> None:
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
         self.gamma = self.gamma0

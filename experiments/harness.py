@@ -33,6 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.base import CacheLayout
+from decodelab.decoding.compiled import static_problems
 from decodelab.decoding.generate import compile_problems, sync
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
@@ -194,10 +195,15 @@ def check(cfg: DictConfig) -> None:
         reasons += draft_problems(cfg)
     factory = collect(reasons, lambda: instantiate_unwrapped(cfg.cache))
     probe = collect(reasons, lambda: factory(_probe_layout(), 1, 128)) if factory else None
-    if cfg.get("compile") not in (None, True, False):
+    if cfg.get("compile") is not None and not isinstance(cfg.compile, bool):  # (1 == True: not `in`)
         reasons.append(f"compile must be true or false, got {cfg.compile!r}")
     elif cfg.get("compile") and decoder is not None and probe is not None:
         reasons += compile_problems(probe, decoder)
+    draft_compile = (cfg.get("draft") or {}).get("compile") if needs_drafter else None
+    if draft_compile is not None and not isinstance(draft_compile, bool):
+        reasons.append(f"draft.compile must be true or false, got {draft_compile!r}")
+    elif draft_compile and probe is not None:  # the draft caches through the target's backend
+        reasons += [f"draft.compile=true: {r}" for r in static_problems(probe, "compile")]
     lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0
     if probe is not None and lookahead and probe.rollback_limit < lookahead:
         reasons.append(f"cache {cfg.cache._target_} can roll back {probe.rollback_limit} tokens but the decoder's "

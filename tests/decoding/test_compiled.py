@@ -106,13 +106,15 @@ def test_generate_compiled_equals_eager_every_family(tiny, backend, eager_backen
         assert got.summary()["compile_s"] == got.compile_s
 
 
-def test_generate_compiled_with_inductor(tiny_llama):
+@pytest.mark.parametrize("backend", ["dense", "paged"])
+def test_generate_compiled_with_inductor(tiny_llama, backend):
     """The real thing: inductor's CPU code, equal to the eager loop token for token, and a
     second generate of the same shapes reuses the compiled step (no new compile)."""
     model = tiny_llama.model
-    want = _gen(model, None, greedy(), False, n=12)
-    first = _gen(model, None, greedy(), True, n=12)
-    again = _gen(model, None, greedy(), True, n=12)
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    want = _gen(model, factory, greedy(), False, n=12)
+    first = _gen(model, factory, greedy(), True, n=12)
+    again = _gen(model, factory, greedy(), True, n=12)
     assert first.tokens == want.tokens == again.tokens
     assert again.compile_s < first.compile_s / 5
 

@@ -249,6 +249,58 @@ def test_quantized_self_draft_is_lossless(tiny_llama, weights):
     assert r.stats["acceptance_rate"] > 0.5  # a quantized copy mostly agrees with its source
 
 
+@pytest.fixture
+def eager_draft_compile(monkeypatch):
+    """Drafters' compiled steps through dynamo's `eager` backend: the same whole-graph trace
+    (a graph break is an error) without inductor's C++ build (test_compiled.py runs that)."""
+    import functools
+
+    import decodelab.decoding.drafters as drafters_module
+
+    monkeypatch.setattr(drafters_module, "compiled_step",
+                        functools.partial(drafters_module.compiled_step, backend="eager"))
+
+
+@pytest.mark.parametrize("backend", ["dense", "paged"])
+def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_compile):
+    """compile=True drafters (quantized self-draft, early exit) on every tiny family: the
+    output is the target's greedy output, the drafts are the uncompiled drafter's (the
+    same acceptance, round by round), and the compile is reported apart."""
+    from functools import partial
+
+    from decodelab.cache.dense import DenseCache
+    from decodelab.cache.paged import PagedCache
+    from decodelab.decoding.drafters import early_exit, quantized_self
+    from decodelab.models.quantize import weight_problems
+
+    m = tiny.model
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    cache = lambda: cache_for(m, 2, 80) if factory is None else cache_for(m, 2, 80, factory)  # noqa: E731
+    prompts = [repetitive_prompt(), random_ids(9, m.cfg.vocab_size, seed=2)]
+    plain = generate(m, cache(), greedy(), prompts, 20)
+    draft_cache = factory or DenseCache  # the draft caches through the target's backend, as setups build it
+    builders = {"early-exit": lambda c: early_exit(tiny, 1, cache=draft_cache, compile=c)}
+    if not weight_problems(m.cfg, "int8"):  # a family whose shapes the int8 kernel takes
+        builders["int8-self"] = lambda c: quantized_self(tiny, "int8", cache=draft_cache, compile=c)
+    for name, build in builders.items():
+        runs = [generate(m, cache(), SpeculativeDecoder(build(c), gamma=3), prompts, 20) for c in (False, True)]
+        assert runs[0].tokens == runs[1].tokens == plain.tokens, name
+        assert runs[1].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"], name
+        assert runs[1].compile_s > 0 and runs[0].compile_s == 0.0
+
+
+def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, eager_draft_compile):
+    from functools import partial
+
+    from decodelab.cache.int4 import QuantizedCache
+    from decodelab.decoding.drafters import quantized_self
+
+    m = tiny_llama.model
+    d = quantized_self(tiny_llama, "int8", cache=partial(QuantizedCache, group_size=32), compile=True)
+    with pytest.raises(SetupError, match="draft self-int8: the QuantizedCache backend cannot give a fixed-shape"):
+        generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d, gamma=2), [random_ids(8, seed=3)], 4)
+
+
 def test_early_exit_layers_are_checked(tiny_llama):
     from decodelab.decoding.drafters import early_exit
 

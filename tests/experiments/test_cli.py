@@ -53,6 +53,9 @@ def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
     ("compile=maybe", "compile must be true or false"),
     ("decoder=speculative draft=prompt-lookup compile=true", "compile=true compiles the one-token decode step"),
     ("cache=int4 compile=true", "compile=true: the QuantizedCache backend cannot give a fixed-shape view"),
+    ("decoder=speculative draft=int8-self draft.compile=true cache=int4",
+     "draft.compile=true: the QuantizedCache backend cannot give a fixed-shape view"),
+    ("decoder=speculative draft=early-exit draft.compile=1", "draft.compile must be true or false"),
 ])
 def test_bad_requests_fail_before_weights_load(override, match, monkeypatch):
     import decodelab.models.loading as loading
