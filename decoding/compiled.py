@@ -1,18 +1,26 @@
-"""A static-shape decode step for the GPU: one token per row through a dense or paged
-cache, captured once as a CUDA graph (optionally torch.compile'd first) and replayed, so
-that small models are not bound by kernel-launch overhead.
+"""A static-shape decode step: one token per row through a dense or paged cache at fixed
+shapes, so that one compiled (and, on CUDA, captured) forward serves every step.
+
+On CUDA it is captured once as a CUDA graph (optionally torch.compile'd first) and
+replayed, so that small models are not bound by kernel-launch overhead. On a CPU it is
+torch.compile'd (inductor) as one graph and called each step (`generate(compile=True)`,
+`draft.compile=true`): inductor fuses the hundreds of small ops around the projections
+(norms, RoPE, residuals, the MLP's gate) that the eager forward runs one by one, and the
+quantized projections' bf16 casts with them.
 
 Why a separate path: the caches' own `prepare` / `attend` plan every forward on the host
 (Python ints, key spans that grow with the context). That is right for the reference,
 but a graph replays fixed device work. So the host still does the bookkeeping that must
-happen, `cache.prepare` (lengths, the paged block allocation), before each replay; inside
+happen, `cache.prepare` (lengths, the paged block allocation), before each step; inside
 the graph `StaticAttention` stands in for the cache: it writes the new K/V at device-side
-positions and attends with the block-table kernel (cache/kernels/paged.py) over storage
-of fixed shape, the whole capacity with a fixed split-K count, masked by each row's
-length. The storage comes from the cache's `static_view()` (cache/base.py): per-layer
-block pools and a block table (a dense cache reads as a pool of blocks of its own rows,
-an identity table), so every backend that offers one shares that one kernel (its torch
-reference off CUDA). Shapes never change, so one capture serves every step.
+positions and attends over storage of fixed shape, the whole capacity, masked by each
+row's length. The storage comes from the cache's `static_view()` (cache/base.py):
+per-layer block pools and a block table (a dense cache reads as a pool of blocks of its
+own rows, an identity table), which the block-table kernel (cache/kernels/paged.py) reads
+on CUDA with a fixed split-K count; on a CPU a dense cache's buffers are read row-major
+as they are, a paged pool through its table (the kernel's torch reference). Shapes never
+change, so one compile serves every step of that model, batch and capacity
+(`static_capacity` rounds capacities up so that nearby lengths share it).
 
 Which caches can: those whose `static_view()` succeeds (dense and paged); the others
 refuse with their reason (int4: per-row stores that grow on the host; sliding: a
@@ -54,12 +62,12 @@ class StaticAttention:
     in place, row-major ([B, Hkv, S, D], no block gather), over the whole capacity with
     each row's length as a mask."""
 
-    def __init__(self, cache, impl: str = "auto"):
+    def __init__(self, cache, impl: str = "auto", tokens: int = 1):
         lay, B = cache.layout, cache.batch_size
         self.layout, dev = lay, lay.device
         self.storage = cache.static_view()  # per-layer pools [Hkv, N, bs, D] and a block table [B, M]
         self.attn = paged_attention_triton if resolve_impl(impl, dev) == "triton" else paged_attention_reference
-        self.pos = torch.zeros(B, 1, dtype=torch.long, device=dev)  # [B, 1] input: each row's next position
+        self.pos = torch.zeros(B, tokens, dtype=torch.long, device=dev)  # [B, T] input: each row's next positions
         keys = self.storage.table.shape[1] * self.storage.block_size  # positions the table addresses
         self.splits = split_count(B * lay.n_kv_heads, keys, dev)
         self.heads = torch.arange(lay.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
@@ -72,7 +80,7 @@ class StaticAttention:
         self.storage.refresh()
 
     def begin(self) -> None:
-        """Per forward, on the device: lengths and the new token's storage slot per (row, head)."""
+        """Per forward, on the device: lengths and the new tokens' storage slots per (row, head)."""
         self._begin() if self.traced else self._begin_opaque()
 
     @torch.compiler.disable  # torch.compile (mode=compile on CUDA) fuses the model around these; the
@@ -80,17 +88,17 @@ class StaticAttention:
         self._begin()
 
     def _begin(self) -> None:
-        pos = self.pos[:, 0]  # [B]
-        self.kv_len = (pos + 1).to(torch.int32)  # the new token is written before attention
+        pos = self.pos  # [B, T]
+        self.kv_len = (pos[:, -1] + 1).to(torch.int32)  # the new tokens are written before attention
         bs = self.storage.block_size
-        blk = self.storage.table.gather(1, (pos // bs)[:, None]).long()  # [B, 1]
-        self.blk, self.off = blk[:, 0], pos % bs  # [B]
+        self.blk = self.storage.table.gather(1, pos // bs).long()  # [B, T]
+        self.off = pos % bs  # [B, T]
 
     def prepare(self, positions, valid=None) -> None:
         """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
 
     def attend(self, layer, q, k, v):
-        """Write k, v [B, Hkv, 1, D] at each row's position; attend q [B, Hq, 1, D]."""
+        """Write k, v [B, Hkv, T, D] at each row's positions; attend q [B, Hq, T, D]."""
         if not self.traced:
             return self._attend_opaque(layer, q, k, v)
         if self.storage.rows_k is not None:
@@ -104,7 +112,7 @@ class StaticAttention:
     def _attend(self, layer, q, k, v):
         k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]  # [Hkv, N, bs, D]
         for pool, new in ((k_pool, k), (v_pool, v)):
-            pool[self.heads, self.blk[:, None], self.off[:, None]] = new[:, :, 0]  # [B, Hkv, D]
+            pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
         lay = self.layout
         return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
@@ -112,16 +120,16 @@ class StaticAttention:
     def _attend_rows(self, layer, q, k, v):
         """The row-major buffers [B, Hkv, S, D] of a dense cache, in place, over every slot;
         a key is seen where its slot is at or before the row's position (and inside the
-        layer's window)."""
-        at = (self.batch_rows, self.heads, self.pos)  # [B, 1], [1, Hkv], [B, 1] -> [B, Hkv]
+        layer's window): causal within the new tokens too."""
+        at = (self.batch_rows[:, :, None], self.heads[..., None], self.pos[:, None])  # -> [B, Hkv, T]
         keys, values = self.storage.rows_k[layer], self.storage.rows_v[layer]
-        keys.index_put_(at, k[:, :, 0])
-        values.index_put_(at, v[:, :, 0])
-        lay, w = self.layout, self.layout.windows[layer]
-        seen = self.kpos <= self.pos  # [B, S]
+        keys.index_put_(at, k)
+        values.index_put_(at, v)
+        lay, w, qpos = self.layout, self.layout.windows[layer], self.pos[..., None]  # [B, T, 1]
+        seen = self.kpos <= qpos  # [B, T, S]
         if w is not None:
-            seen = seen & (self.kpos > self.pos - w)
-        return reference_attention(q, keys, values, seen[:, None, None], lay.softmax_scale, lay.softcap)
+            seen = seen & (self.kpos > qpos - w)
+        return reference_attention(q, keys, values, seen[:, None], lay.softmax_scale, lay.softcap)
 
 
 class StaticDecoder:
@@ -131,15 +139,17 @@ class StaticDecoder:
     two), `graph` captures it as a CUDA graph on the first step and replays it, `compile`
     runs it through torch.compile first (`backend`, inductor by default) and, on CUDA,
     captures that. The returned logits live in a static buffer: read them before the next
-    step."""
+    step. `tokens` T > 1 makes it a step of T tokens per row (a speculative verify of
+    gamma + 1), `step(ids [B, T]) -> logits [B, T, V]`."""
 
-    def __init__(self, model, cache, mode: str = "graph", impl: str = "auto", backend: str = "inductor"):
+    def __init__(self, model, cache, mode: str = "graph", impl: str = "auto", backend: str = "inductor",
+                 tokens: int = 1):
         p = static_problems(cache, mode)
         if p:
             raise SetupError(p)
-        self.model, self.cache, self.mode = model, cache, mode
-        self.view = StaticAttention(cache, impl)
-        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.layout.device)  # [B, 1]
+        self.model, self.cache, self.mode, self.tokens = model, cache, mode, tokens
+        self.view = StaticAttention(cache, impl, tokens)
+        self.ids = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         fn = self._forward
         if mode == "compile":
             allow_recompiles()
@@ -153,15 +163,17 @@ class StaticDecoder:
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
         self.view.begin()
-        return self.model(self.ids, self.view.pos, self.view)[:, -1]  # [B, V]
+        logits = self.model(self.ids, self.view.pos, self.view)  # [B, T, V]
+        return logits[:, -1] if self.tokens == 1 else logits
 
     @torch.no_grad()
     def step(self, last: torch.Tensor) -> torch.Tensor:
-        """Feed last [B] at each row's next position (the cache's lengths); logits [B, V]."""
-        pos = self.cache.lengths[:, None].clone()  # [B, 1] host
+        """Feed last [B] (ids [B, T] with `tokens` T) at each row's next positions (from the
+        cache's lengths); logits [B, V] ([B, T, V])."""
+        pos = self.cache.lengths[:, None] + torch.arange(self.tokens)  # [B, T] host
         self.cache.prepare(pos)  # host bookkeeping: lengths, blocks (no attention runs here)
         self.view.refresh()
-        self.ids.copy_(last.view(-1, 1), non_blocking=True)
+        self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)
         self.view.pos.copy_(pos, non_blocking=True)
         if self.cache.layout.device.type != "cuda" or self.mode == "eager":
             return self.fn()
@@ -198,14 +210,14 @@ def allow_recompiles() -> None:
     cfg.fail_on_recompile_limit_hit = True
 
 
-def compiled_step(model, cache, backend: str = "inductor") -> "StaticDecoder":
-    """A `StaticDecoder` of `cache` in mode `compile`, compiled now: one step on the
-    emptied cache (a zero token at position 0), which the closing `reset` forgets, so
-    that no request pays the compile. Shapes already compiled (this model, batch and
-    capacity) only rebuild the wrapper."""
+def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "StaticDecoder":
+    """A `StaticDecoder` of `cache` in mode `compile` (`tokens` per row and step),
+    compiled now: one step on the emptied cache (zero tokens from position 0), which the
+    closing `reset` forgets, so that no request pays the compile. Shapes already compiled
+    (this model, batch, capacity and tokens) only rebuild the wrapper."""
     cache.reset()
-    dec = StaticDecoder(model, cache, mode="compile", backend=backend)
-    dec.step(torch.zeros(cache.batch_size, dtype=torch.long, device=cache.layout.device))
+    dec = StaticDecoder(model, cache, mode="compile", backend=backend, tokens=tokens)
+    dec.step(torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device))
     cache.reset()
     return dec
 

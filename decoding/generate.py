@@ -109,7 +109,8 @@ def compile_problems(cache, decoder) -> list[str]:
     """Why `compile=True` cannot serve this cache and decoder (empty when it can)."""
     p = [] if getattr(decoder, "takes_compiled_step", False) else [
         "compile=true compiles the one-token decode step of plain decoding (decoder=greedy or sampling); this "
-        "decoder feeds several tokens per step (a speculative verify): use compile=false"]
+        "decoder feeds several tokens per step (a speculative verify, which compiled runs slower on a CPU than "
+        "eager oneDNN's): use compile=false, and compile a model drafter's steps with draft.compile=true"]
     return p + [f"compile=true: {r}" for r in static_problems(cache, "compile")]
 
 
@@ -182,8 +183,9 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
     end a row at the text before them; `on_token` streams tokens as they come.
     `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
-    before the prefill (once per model, batch and cache capacity in a process): its time
-    is `compile_s`, and the token times leave it out (they count from `t_start` plus it)."""
+    before the prefill (once per model, batch and cache capacity in a process); that time,
+    and a drafter's own compile (`draft.compile`), is `compile_s`, and the token times
+    leave it out (they count from `t_start` plus it)."""
     stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string, not its letters
     check_inputs(model, cache, decoder, prompts, max_new_tokens, stop, tokenizer, compile)
     forward, compile_s = {}, 0.0

@@ -154,6 +154,34 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
     return built
 
 
+#: the model options that quantize weights: a setup (conf/setup/int8-weights.yaml) may set them
+WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow")
+
+
+def _weights_of(model_cfg) -> dict:
+    return {k: model_cfg.get(k) for k in WEIGHT_KEYS}
+
+
+def setup_models(cfg: DictConfig, composed: dict[str, DictConfig], lm) -> dict:
+    """name -> the setup's target: the loaded model, or, for a setup whose weight options
+    differ from the loaded model's (a quantized-weights setup), a copy quantized as it
+    asks (one copy per distinct options); the reference stays the loaded model."""
+    from decodelab.models.quantize import quantize_weights
+
+    base, copies, out = _weights_of(cfg.model), {}, {}
+    for name, scfg in composed.items():
+        w = _weights_of(scfg.model)
+        if w == base:
+            out[name] = lm.model
+            continue
+        key = tuple(w.items())
+        if key not in copies:
+            copies[key] = quantize_weights(lm.model, w["weights"] or "none", group_size=w["weight_group_size"],
+                                           quantize_head=bool(w["quantize_head"]), allow_slow=bool(w["allow_slow"]))
+        out[name] = copies[key]
+    return out
+
+
 # -- the reference ------------------------------------------------------------------------
 def free_run(model, factory, decoder, prompt: list[int], n: int) -> tuple[list[int], dict]:
     """`n` tokens (EOS ignored) of a setup's own decoding, and its decoder statistics."""
@@ -259,6 +287,7 @@ def run_matrix(cfg: DictConfig, composed: dict[str, DictConfig], lm, built: dict
     """Every setup on every prompt; the reference's logits and greedy output are
     computed once per prompt and shared by all setups."""
     ref_logits_fn, ref_greedy = reference_fns(cfg.reference, lm)
+    models = setup_models(cfg, composed, lm)
     reqs = instantiate_unwrapped(cfg.workload)(lm)
     per_prompt = {name: [] for name in composed}
     for i, req in enumerate(reqs):
@@ -270,7 +299,7 @@ def run_matrix(cfg: DictConfig, composed: dict[str, DictConfig], lm, built: dict
         seq = seq or cont[: cfg.forced_tokens]
         ref_logits = ref_logits_fn(prompt, seq)  # [N, V]
         for name in composed:
-            r = measure(lm.model, built[name], prompt, seq, ref_logits, cont[: cfg.free_tokens])
+            r = measure(models[name], built[name], prompt, seq, ref_logits, cont[: cfg.free_tokens])
             per_prompt[name].append({"id": req.id, "prompt_tokens": len(prompt), "teacher": teacher, **r})
         log.info("prompt %d/%d (%d tokens, %d forced) done", i + 1, len(reqs), len(prompt), len(seq))
     rows = [summarize(name, composed[name], built[name][1], per_prompt[name], cfg.free_tokens) for name in composed]

@@ -102,7 +102,7 @@ def measure_batch(lm, factory, decoder, reqs, cfg, hf=None) -> list[dict]:
     ids = [r.encode(tok) for r in reqs]
     tokenize_s = time.perf_counter() - t0
     need = max(map(len, ids)) + cfg.max_new_tokens + decoder.lookahead
-    cache = make_cache(lm.model, len(ids), static_capacity(need, lm.cfg.max_seq_len) if cfg.compile else need,
+    cache = make_cache(lm.model, len(ids), static_capacity(need, lm.cfg.max_seq_len) if harness.compiles(cfg) else need,
                        factory)
     eos = () if cfg.ignore_eos else _eos(lm)
     res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=eos, t_start=t0, tokenize_s=tokenize_s,
@@ -272,7 +272,9 @@ def measure_run(cfg: DictConfig, out: Path, workload, run_hash: str) -> dict:
              choices().get("workload"), out)
     if cfg.warmup:
         warm = reqs[0].encode(lm.tokenizer if reqs[0].ids is None else None)[:16]
-        generate(lm.model, make_cache(lm.model, 1, 16 + 4 + decoder.lookahead, factory), decoder, [warm], 4)
+        need = 16 + 4 + decoder.lookahead
+        cap = static_capacity(need, lm.cfg.max_seq_len) if harness.compiles(cfg) else need  # a compile it shares
+        generate(lm.model, make_cache(lm.model, 1, cap, factory), decoder, [warm], 4, compile=cfg.compile)
         if hf is not None:
             hf_generate(hf, warm, 4, (), [])
     recs = []

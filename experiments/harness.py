@@ -211,6 +211,13 @@ def check(cfg: DictConfig) -> None:
     raise_if(reasons)
 
 
+def compiles(cfg: DictConfig) -> bool:
+    """Whether the run compiles a decode step (`compile`, or its drafter's `draft.compile`):
+    its caches then take `static_capacity`, so prompts of nearby lengths share a compile."""
+    return bool(cfg.get("compile")) or bool(declared(cfg.decoder, "needs_drafter")
+                                            and (cfg.get("draft") or {}).get("compile"))
+
+
 def load_model(cfg: DictConfig):
     """The target model of `cfg.model` with `cfg.threads` torch threads (when set); pins
     the git revision the run starts with."""

@@ -122,6 +122,22 @@ def test_int4_figures_are_reported(tmp_path, capsys):
     assert code == (0 if all(r["passed"] for r in doc["rows"]) else 1)
 
 
+def test_quantized_weight_setups_are_judged_against_the_fp32_reference(tmp_path):
+    """int8-weights / int4-weights quantize a copy of the loaded model: their logits really
+    differ from the reference's (which stays fp32: dense beside them is exact), by more
+    for int4 than for int8, and each is judged by its own thresholds."""
+    code, doc = agree(tmp_path, *TINY_LLAMA, "workload.lengths=[40]", "forced_tokens=16", "free_tokens=8",
+                      "setups=[dense,int8-weights,int4-weights]")
+    r = rows(doc)
+    assert r["dense"]["passed"] and r["dense"]["max_abs_dlogit"] <= 1e-4  # the reference is not quantized
+    for name in ("int8-weights", "int4-weights"):
+        q = r[name]
+        assert q["max_abs_dlogit"] > 1e-4 and math.isfinite(q["mean_kl"]) and q["mean_kl"] >= 0
+        assert q["passed"] == (q["mean_kl"] <= q["thresholds"]["max_kl"] and q["top1"] >= q["thresholds"]["min_top1"])
+    assert r["int4-weights"]["mean_kl"] > r["int8-weights"]["mean_kl"]
+    assert code == (0 if all(x["passed"] for x in doc["rows"]) else 1)
+
+
 def test_an_impossible_threshold_exits_1(tmp_path):
     p = cli(*TINY_LLAMA, *INT4_SMALL, "workload.lengths=[100]", "forced_tokens=16", "free_tokens=0",
             "setups=[int4]", "agreement.max_abs_dlogit=1e-9", f"hydra.run.dir={tmp_path}")
@@ -192,11 +208,14 @@ def test_smollm2_against_transformers_passes_exact_setups(tmp_path):
     long = {"prompt": FILLER * 3 + "Summarize the text above in one sentence.", "reference": REPLIES[0]["reference"]}
     code, doc = agree(tmp_path, "model=smollm2-135m", "model.device=cpu", "reference=transformers",
                       "workload=jsonl", f"workload.path={jsonl(tmp_path, [REPLIES[1], long])}", "forced_tokens=64",
-                      "free_tokens=32", "setups=[dense,paged,sliding,speculative-paged,int4]")
+                      "free_tokens=32", "setups=[dense,paged,sliding,speculative-paged,int4,int8-weights]")
     r = rows(doc)
     for name in ["dense", "paged", "sliding", "speculative-paged"]:
         assert r[name]["passed"], r[name]["failures"]
         assert r[name]["first_diff"] is None
     q = r["int4"]  # reported, judged by its own (lossy) thresholds
     assert q["max_abs_dlogit"] > 1e-2 and 0 <= q["top1"] <= 1 and math.isfinite(q["mean_kl"])  # it quantized
+    w = r["int8-weights"]  # a quantized copy of the target against transformers' fp32: within its thresholds
+    assert w["passed"], w["failures"]
+    assert w["max_abs_dlogit"] > 1e-2 and w["top1"] >= 0.95 and 0 <= w["mean_kl"] <= 0.02
     assert code == (0 if q["passed"] else 1)

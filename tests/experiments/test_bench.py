@@ -138,6 +138,30 @@ def test_batch_rows_and_side_by_side_greedy(tmp_path, prompts):
     assert s["conditions"]["batch"] == 2 and s["setup"]["cache"] == "decodelab.cache.paged.PagedCache"  # not under Hydra: the target
 
 
+def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
+    """draft.compile=true (dynamo's eager backend here, for speed): one compile shared by
+    prompts of different lengths (rounded capacities), output identical to greedy, the
+    compile time recorded apart from TTFT."""
+    import functools
+
+    import decodelab.decoding.drafters as drafters_module
+    from decodelab.decoding import compiled
+
+    calls = []
+    real = compiled.StaticDecoder.__init__
+    monkeypatch.setattr(compiled.StaticDecoder, "__init__",
+                        lambda self, model, cache, **kw: calls.append(cache.capacity) or real(self, model, cache, **kw))
+    monkeypatch.setattr(drafters_module, "compiled_step", functools.partial(compiled.compiled_step, backend="eager"))
+    cfg = config(*TINY, "warmup=true", "workload=synthetic", "workload.lengths=[12,30]", "max_new_tokens=6",
+                 "decoder=speculative", "draft=early-exit", "draft.compile=true", "compare_greedy=true",
+                 "agree_with_dense=false")
+    s = run(cfg, tmp_path)
+    recs = [json.loads(x) for x in (tmp_path / RESULTS).read_text().splitlines()[:-1]]
+    assert all(r["greedy"]["identical"] for r in recs) and len(recs) == 2
+    assert set(calls) == {256}  # the warm-up and both prompts: one capacity, one compiled shape
+    assert all(r["compile_ms"] > 0 for r in recs) and s["metrics"]["greedy_identical"] == 1.0
+
+
 def test_side_by_side_with_transformers_generate(tmp_path):
     """compare_transformers (the `baseline` preset): transformers' generate() on the same
     ids, EOS ignored on both sides: the same tokens, its timings beside ours."""
