@@ -80,10 +80,14 @@ def describe(cfg: DictConfig) -> dict:
     ch = choices()
     spec = harness.declared(cfg.decoder, "needs_drafter")
     cache, decoder = ch.get("cache", cfg.cache._target_), ch.get("decoder", cfg.decoder._target_)
-    return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{ch.get('draft')}" if spec else ""),
+    decoder += " (compiled)" if cfg.get("compile") else ""  # the step compiled: a setup of its own
+    draft = ch.get("draft") if spec else None
+    if draft and (cfg.get("draft") or {}).get("compile"):
+        draft += " (compiled)"
+    return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{draft}" if spec else ""),
             "model": cfg.model.get("name") or ch.get("model"), "weights": cfg.model.get("weights", "none"),
             "cache": cache, "decoder": decoder, "needs_drafter": spec,
-            "draft": ch.get("draft") if spec else None, "gamma": cfg.decoder.get("gamma") if spec else None,
+            "draft": draft, "gamma": cfg.decoder.get("gamma") if spec else None,
             "workload": ch.get("workload"), "experiment": ch.get("experiment")}
 
 

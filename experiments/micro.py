@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from functools import partial
 
 import torch
@@ -100,19 +101,39 @@ def forward_ms(model, cache, T: int, repeats: int) -> float:
 
 
 def verify_cost(cfg, lm, hf) -> list[dict]:
-    """Forward of T tokens vs one token, per matmul impl, at the first ShareGPT prompt's context."""
+    """Forward of T tokens vs one token, per matmul impl, at the first ShareGPT prompt's
+    context; with `verify_compile`, also the compiled static step of T tokens per row
+    (decoding/compiled.py, `tokens=T`: a verify's shape), its compile apart."""
+    from decodelab.decoding.compiled import compiled_step
+
     model, rows, one = lm.model, [], {}
     req = ShareGPT(1, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)(lm)[0]
     prompt = lm.tokenizer.encode(req.prompt, chat=True)
     cache = make_cache(model, 1, len(prompt) + max(cfg.tokens))
     prefill(model, cache, [prompt])
-    for T in [1] + [t for t in cfg.tokens if t != 1]:  # T = 1 first: the unit
+    sizes = [1] + [t for t in cfg.tokens if t != 1]  # T = 1 first: the unit
+    for T in sizes:
         for impl in cfg.impls:  # impls alternate per T
             model.set_matmul(impl)
             ms = forward_ms(model, cache, T, cfg.repeats)
             one.setdefault(impl, ms)
             rows.append({"matmul": impl, "tokens": T, "context": len(prompt), "ms": ms, "cost_vs_1_token": ms / one[impl]})
     model.set_matmul(cfg.model.get("matmul", "auto"))
+    for T in sizes if cfg.verify_compile else []:
+        t0 = time.perf_counter()
+        step = compiled_step(model, cache, tokens=T)  # empties the cache: the prompt goes in again
+        compile_s = time.perf_counter() - t0
+        prefill(model, cache, [prompt])
+        L, ids, timer = cache.lengths.clone(), torch.full((1, T), 5, dtype=torch.long, device=model.device), \
+            harness.Timer(model.device)
+        for _ in range(cfg.repeats + 1):  # the first is a warm-up
+            with timer:
+                step.step(ids)
+            cache.truncate(L)
+        ms = 1e3 * statistics.median(timer.seconds[1:])
+        one.setdefault("compiled", ms)
+        rows.append({"matmul": "compiled", "tokens": T, "context": len(prompt), "ms": ms,
+                     "cost_vs_1_token": ms / one["compiled"], "compile_s": compile_s})
     return rows
 
 
@@ -330,6 +351,8 @@ def check(cfg: DictConfig) -> None:
     p = [] if cfg.part in PARTS else [f"part must be one of {list(PARTS)}, got {cfg.part!r}"]
     if cfg.part == "verify_cost":
         p += [r for impl in cfg.impls for r in impl_problems(impl, key="impls[]")]
+        if not isinstance(cfg.verify_compile, bool):
+            p.append(f"verify_compile must be true or false, got {cfg.verify_compile!r}")
     if cfg.part in ("kv_speed", "kv_memory", "mixed_step"):
         known = harness.group_options("cache")
         p += [f"backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.backends if b not in known]

@@ -160,6 +160,15 @@ def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
     assert all(r["greedy"]["identical"] for r in recs) and len(recs) == 2
     assert set(calls) == {256}  # the warm-up and both prompts: one capacity, one compiled shape
     assert all(r["compile_ms"] > 0 for r in recs) and s["metrics"]["greedy_identical"] == 1.0
+    import decodelab.experiments.bench as bench_module
+
+    monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "speculative",
+                                                          "draft": "early-exit"})
+    named = bench_module.describe(cfg)  # under Hydra: the group choices, and what compiles
+    assert named["draft"] == "early-exit (compiled)" and named["name"] == "dense/speculative/early-exit (compiled)"
+    greedy_compiled = config(*TINY, "compile=true")
+    monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "greedy"})
+    assert bench_module.describe(greedy_compiled)["name"] == "dense/greedy (compiled)"
 
 
 def test_side_by_side_with_transformers_generate(tmp_path):
