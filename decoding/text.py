@@ -80,21 +80,31 @@ def make_cache(model, batch_size: int, capacity: int, backend: CacheFactory = De
     return backend(CacheLayout.of(model), batch_size, capacity)
 
 
+def compiled_capacity(model, batch_size: int, need: int, factory: CacheFactory = DenseCache) -> int:
+    """The capacity of a cache whose steps compile: `need` rounded up (`static_capacity`),
+    so that nearby lengths share one compile, where the rounded cache passes every
+    `capacity_problems` check (a fixed paged pool, a memory budget, free memory); else
+    `need` itself."""
+    rounded = static_capacity(need, model.cfg.max_seq_len)
+    return rounded if rounded == need or not capacity_problems(model, batch_size, rounded, factory) else need
+
+
 def generate_text(lm, prompts: str | list[str], *, decoder=None, cache: CacheFactory = DenseCache,
                   max_new_tokens: int = 64, chat: bool = False, stop=(),
                   on_token: TokenCallback | None = None, prefill_chunk: int | None = None,
                   compile: bool = False) -> GenerationResult:
     """Generate from text prompts with a `LoadedModel`; greedy and dense by default.
-    `compile=True`: a compiled decode step (`generate`), over a capacity rounded up so
-    that nearby prompt lengths share one compile (`static_capacity`)."""
+    `compile=True`: a compiled decode step (`generate`); then, and with a drafter that
+    compiles, over a capacity rounded up so that nearby prompt lengths share one compile
+    (`compiled_capacity`)."""
     t0 = time.perf_counter()
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [lm.tokenizer.encode(t, chat=chat) for t in texts]
     tokenize_s = time.perf_counter() - t0
     decoder = decoder or SamplingDecoder()
     capacity = max(len(x) for x in ids) + max_new_tokens + decoder.lookahead
-    if compile:
-        capacity = static_capacity(capacity, lm.model.cfg.max_seq_len)
+    if compile or getattr(getattr(decoder, "drafter", None), "compile", False):  # a step compiles
+        capacity = compiled_capacity(lm.model, len(ids), capacity, cache)
     kv = make_cache(lm.model, len(ids), capacity, cache)
     return generate(lm.model, kv, decoder, ids, max_new_tokens,
                     eos_ids=lm.tokenizer.eos_ids, stop=stop, tokenizer=lm.tokenizer, on_token=on_token,

@@ -133,6 +133,12 @@ def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
     for name in dict.fromkeys(known):
         composed[name], p = _setup_problems(name, groups, values)
         reasons += p
+    own_weights = [n for n in composed if _sets_weights(n)]
+    for o in values:  # the command line's weight options would replace what those setups quantize
+        key = o.key_or_group
+        if own_weights and key.startswith("model.") and key[len("model."):] in WEIGHT_KEYS:
+            reasons.append(f"{o.input_line}: setups {own_weights} choose their own weights, which this would replace "
+                           "(and it would quantize the reference too); drop it, or leave those setups out")
     for o in values:  # a plain key=value Hydra has already matched against agree's own groups
         added = o.is_add() or o.is_force_add()
         if added and known and not any(has_key(c, o.key_or_group) for c in composed.values()):
@@ -160,6 +166,12 @@ WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow")
 
 def _weights_of(model_cfg) -> dict:
     return {k: model_cfg.get(k) for k in WEIGHT_KEYS}
+
+
+def _sets_weights(name: str) -> bool:
+    """Whether conf/setup/<name>.yaml sets weight options of its own (int8-weights, ...)."""
+    model = OmegaConf.load(CONF_DIR / "setup" / f"{name}.yaml").get("model") or {}
+    return any(k in model for k in WEIGHT_KEYS)
 
 
 def setup_models(cfg: DictConfig, composed: dict[str, DictConfig], lm) -> dict:

@@ -29,7 +29,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.decoding.agreement import compare, dense_logits, first_diff, pool, setup_logits
-from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.speculative import predicted_speedups
@@ -106,8 +105,7 @@ def measure_batch(lm, factory, decoder, reqs, cfg, hf=None) -> list[dict]:
     ids = [r.encode(tok) for r in reqs]
     tokenize_s = time.perf_counter() - t0
     need = max(map(len, ids)) + cfg.max_new_tokens + decoder.lookahead
-    cache = make_cache(lm.model, len(ids), static_capacity(need, lm.cfg.max_seq_len) if harness.compiles(cfg) else need,
-                       factory)
+    cache = make_cache(lm.model, len(ids), harness.capacity(cfg, lm.model, len(ids), need, factory), factory)
     eos = () if cfg.ignore_eos else _eos(lm)
     res = generate(lm.model, cache, decoder, ids, cfg.max_new_tokens, eos_ids=eos, t_start=t0, tokenize_s=tokenize_s,
                    compile=cfg.compile)
@@ -276,8 +274,7 @@ def measure_run(cfg: DictConfig, out: Path, workload, run_hash: str) -> dict:
              choices().get("workload"), out)
     if cfg.warmup:
         warm = reqs[0].encode(lm.tokenizer if reqs[0].ids is None else None)[:16]
-        need = 16 + 4 + decoder.lookahead
-        cap = static_capacity(need, lm.cfg.max_seq_len) if harness.compiles(cfg) else need  # a compile it shares
+        cap = harness.capacity(cfg, lm.model, 1, 16 + 4 + decoder.lookahead, factory)  # a compile it shares
         generate(lm.model, make_cache(lm.model, 1, cap, factory), decoder, [warm], 4, compile=cfg.compile)
         if hf is not None:
             hf_generate(hf, warm, 4, (), [])

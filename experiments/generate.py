@@ -23,7 +23,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig
 
-from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.generate import generate
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
@@ -129,8 +128,7 @@ def run(cfg: DictConfig):
     ids = tok.encode(text, chat=cfg.chat_template, system=cfg.system)
     tokenize_s = time.perf_counter() - t0
     need = len(ids) + cfg.max_new_tokens + decoder.lookahead
-    capacity = static_capacity(need, lm.cfg.max_seq_len) if harness.compiles(cfg) else need
-    cache = make_cache(lm.model, 1, capacity, factory)
+    cache = make_cache(lm.model, 1, harness.capacity(cfg, lm.model, 1, need, factory), factory)
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
     stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream and not cfg.json else None
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,

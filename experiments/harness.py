@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from decodelab.cache.base import CacheLayout
 from decodelab.decoding.compiled import static_problems
 from decodelab.decoding.generate import compile_problems, sync
+from decodelab.decoding.text import compiled_capacity
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
 
@@ -212,10 +213,16 @@ def check(cfg: DictConfig) -> None:
 
 
 def compiles(cfg: DictConfig) -> bool:
-    """Whether the run compiles a decode step (`compile`, or its drafter's `draft.compile`):
-    its caches then take `static_capacity`, so prompts of nearby lengths share a compile."""
+    """Whether the run compiles a decode step (`compile`, or its drafter's `draft.compile`)."""
     return bool(cfg.get("compile")) or bool(declared(cfg.decoder, "needs_drafter")
                                             and (cfg.get("draft") or {}).get("compile"))
+
+
+def capacity(cfg: DictConfig, model, batch_size: int, need: int, factory) -> int:
+    """A run's cache capacity for `need` positions: rounded up where a step compiles (so
+    prompts of nearby lengths share a compile) and the rounded cache still fits
+    (`decoding.text.compiled_capacity`), else `need`."""
+    return compiled_capacity(model, batch_size, need, factory) if compiles(cfg) else need
 
 
 def load_model(cfg: DictConfig):

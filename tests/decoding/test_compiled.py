@@ -158,6 +158,18 @@ def test_generate_compile_refusals(tiny_llama, tiny_gemma):
         generate(gemma, cache_for(gemma, 2, 40, SlidingCache), SamplingDecoder(), PROMPTS, 4, compile=True)
 
 
+def test_compiled_capacity_rounds_only_where_the_rounded_cache_fits(tiny_llama):
+    """A fixed paged pool that holds what the request needs but not the rounded capacity
+    keeps the capacity the request needs (no refusal a compile-free run would not meet)."""
+    from decodelab.decoding.text import compiled_capacity
+
+    model = tiny_llama.model
+    assert compiled_capacity(model, 1, 30) == 256
+    small_pool = partial(PagedCache, block_size=4, num_blocks=10)  # 40 positions
+    assert compiled_capacity(model, 1, 30, small_pool) == 30
+    assert compiled_capacity(model, 1, 30, partial(PagedCache, block_size=4, num_blocks=64)) == 256
+
+
 def test_static_capacity_rounds_up_within_the_model():
     from decodelab.decoding.compiled import static_capacity
 

@@ -138,6 +138,19 @@ def test_quantized_weight_setups_are_judged_against_the_fp32_reference(tmp_path)
     assert code == (0 if all(x["passed"] for x in doc["rows"]) else 1)
 
 
+def test_command_line_weights_cannot_replace_a_weights_setups_own(tmp_path, capsys, monkeypatch):
+    """model.weights=... on the command line would relabel what int4-weights measures and
+    quantize the reference: refused before the weights load, the fix named."""
+    import decodelab.models.loading as loading
+
+    monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    code, _ = agree(tmp_path, *TINY_LLAMA, "model.weights=int8", "setups=[dense,int4-weights]")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model.weights=int8: setups ['int4-weights'] choose their own weights" in err
+    assert "leave those setups out" in err
+
+
 def test_an_impossible_threshold_exits_1(tmp_path):
     p = cli(*TINY_LLAMA, *INT4_SMALL, "workload.lengths=[100]", "forced_tokens=16", "free_tokens=0",
             "setups=[int4]", "agreement.max_abs_dlogit=1e-9", f"hydra.run.dir={tmp_path}")
