@@ -75,9 +75,11 @@ class ModelDrafter:
         `compile`, the draft step is compiled first (once per shape in a process)."""
         try:  # make_cache checks before it allocates; its reasons are the draft's
             self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
-            t = time.perf_counter()
-            self.static = compiled_step(self.model, self.cache) if self.compile else None
-            self.compile_s = time.perf_counter() - t if self.compile else 0.0
+            self.static, self.compile_s = None, 0.0
+            if self.compile:
+                t = time.perf_counter()
+                self.static = compiled_step(self.model, self.cache)
+                self.compile_s = time.perf_counter() - t
         except SetupError as e:
             raise SetupError([f"draft {self.name}: {r}" for r in e.reasons]) from None
         if self.cache.rollback_limit < 1:
@@ -112,13 +114,18 @@ class ModelDrafter:
             x = q.argmax(-1) if params.greedy else sample(q, generator)
             tokens.append(x)
             probs.append(q)
-            if i < gamma - 1 and self.static is not None:
-                logits = self.static.step(x)
-            elif i < gamma - 1:
-                pos = self.cache.lengths[:, None].to(self.model.device)
-                logits = self.model(x[:, None], pos, self.cache)[:, -1]
+            if i < gamma - 1:
+                logits = self._step(x)
         self._draft = torch.stack(tokens, 1)  # [B, G]
         return self._draft, torch.stack(probs, 1)
+
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        """Feed x [B], one token per row, at each row's next position: logits [B, V] (the
+        compiled step where there is one)."""
+        if self.static is not None:
+            return self.static.step(x)
+        pos = self.cache.lengths[:, None].to(self.model.device)
+        return self.model(x[:, None], pos, self.cache)[:, -1]
 
     def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
         """Run ragged token lists after each row's cached length; last logits [B, V]."""

@@ -87,15 +87,16 @@ def kv_quality(cfg, lm, hf) -> list[dict]:
 
 
 @torch.no_grad()
-def forward_ms(model, cache, T: int, repeats: int) -> float:
-    """Median ms of one forward of T tokens after what `cache` holds (rolled back after each)."""
+def forward_ms(model, cache, T: int, repeats: int, step=None) -> float:
+    """Median ms of one forward of T tokens after what `cache` holds (rolled back after
+    each): the model's own, or `step(ids)` (a compiled static step of T tokens)."""
     L = cache.lengths.clone()
     ids = torch.full((1, T), 5, dtype=torch.long, device=model.device)
     positions = (L[:, None] + torch.arange(T)[None]).to(model.device)
     timer = harness.Timer(model.device)
     for _ in range(repeats + 1):  # the first is a warm-up (it may pack weights)
         with timer:
-            model(ids, positions, cache)
+            step(ids) if step is not None else model(ids, positions, cache)
         cache.truncate(L)
     return 1e3 * statistics.median(timer.seconds[1:])
 
@@ -124,13 +125,7 @@ def verify_cost(cfg, lm, hf) -> list[dict]:
         step = compiled_step(model, cache, tokens=T)  # empties the cache: the prompt goes in again
         compile_s = time.perf_counter() - t0
         prefill(model, cache, [prompt])
-        L, ids, timer = cache.lengths.clone(), torch.full((1, T), 5, dtype=torch.long, device=model.device), \
-            harness.Timer(model.device)
-        for _ in range(cfg.repeats + 1):  # the first is a warm-up
-            with timer:
-                step.step(ids)
-            cache.truncate(L)
-        ms = 1e3 * statistics.median(timer.seconds[1:])
+        ms = forward_ms(model, cache, T, cfg.repeats, step=step.step)
         one.setdefault("compiled", ms)
         rows.append({"matmul": "compiled", "tokens": T, "context": len(prompt), "ms": ms,
                      "cost_vs_1_token": ms / one["compiled"], "compile_s": compile_s})

@@ -64,14 +64,14 @@ def test_verify_cost_is_relative_to_one_token_per_impl(tmp_path, monkeypatch):
     from decodelab.experiments import micro as module
 
     assert micro(tmp_path, "part=verify_cost", "tokens=[1,3]", "repeats=2")[-1]["ms"] > 0  # the real timing runs
-    ms = {("reference", 1): 2.0, ("reference", 3): 3.0, ("onednn", 1): 1.0, ("onednn", 3): 4.0}
-    monkeypatch.setattr(module, "forward_ms", lambda model, cache, T, repeats: ms[model.matmul, T])
     g = sys.modules["decodelab.decoding.compiled"]  # the compiled rows through dynamo's eager backend (fast to build)
     monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))
     compiled = [r for r in micro(tmp_path, "part=verify_cost", "tokens=[1,3]", "repeats=2", "impls=[reference]",
                                  "verify_compile=true") if r["matmul"] == "compiled"]
     assert [r["tokens"] for r in compiled] == [1, 3] and compiled[0]["cost_vs_1_token"] == 1.0
     assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in compiled)
+    ms = {("reference", 1): 2.0, ("reference", 3): 3.0, ("onednn", 1): 1.0, ("onednn", 3): 4.0}
+    monkeypatch.setattr(module, "forward_ms", lambda model, cache, T, repeats: ms[model.matmul, T])
     rows = micro(tmp_path, "part=verify_cost", "tokens=[1,3]", "repeats=2", "impls=[reference,onednn]")
     assert [(r["tokens"], r["matmul"], r["ms"]) for r in rows] == [(1, "reference", 2.0), (1, "onednn", 1.0),
                                                                    (3, "reference", 3.0), (3, "onednn", 4.0)]
