@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.decodelab-installed
 ARGS    ?=
 
-.PHONY: setup run generate test test-slow test-all baseline clean
+.PHONY: setup run compare generate test test-slow test-all baseline clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,9 +19,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# the main job: every cache backend x {greedy, speculative with a self-draft} on a few
-# ShareGPT prompts of the embedded SmolLM2-135M, then the comparison table and plots
+# the main job (scripts/main_job.sh): on the embedded SmolLM2-135M, decode speed of fp32 /
+# int8 / int4 weights next to transformers, speculative speedup vs gamma per drafter (measured
+# and predicted), ITL and KV bytes vs context per cache backend, and every setup's agreement
+# with dense; one report with its plots in outputs/main/ (ARGS: overrides every step takes)
 run: setup
+	BIN=$(BIN) bash scripts/main_job.sh $(ARGS)
+
+# every cache backend x {greedy, speculative by prompt lookup}: one table (the earlier main job)
+compare: setup
 	$(BIN)/decodelab-bench -m experiment=compare $(ARGS)
 
 # stream one chat reply from the default model

@@ -246,11 +246,17 @@ def build(cfg: DictConfig, lm):
     return factory, decoder
 
 
+def option(group: str, name: str, **overrides):
+    """conf/<group>/<name>.yaml instantiated (a factory where the yaml is `_partial_`), with
+    option overrides."""
+    raise_if([] if name in group_options(group) else
+             [f"no {group} option {name!r}; the options are {', '.join(group_options(group))}"])
+    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), overrides))
+
+
 def cache_factory(name: str, **options):
     """The cache factory of conf/cache/<name>.yaml, with option overrides."""
-    raise_if([] if name in group_options("cache") else
-             [f"no cache backend {name!r}; the options are {', '.join(group_options('cache'))}"])
-    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(CONF_DIR / "cache" / f"{name}.yaml"), options))
+    return option("cache", name, **options)
 
 
 # -- results ----------------------------------------------------------------------------------

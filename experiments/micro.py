@@ -8,6 +8,7 @@
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
     decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights, eager and compiled, vs transformers
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
+    decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, one greedy unit for the grid
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from functools import partial
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
@@ -336,9 +337,59 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
             for n, v in per.items()]
 
 
+def spec_gamma(cfg, lm, hf) -> list[dict]:
+    """Speculative speedup over plain greedy for each drafter of `drafts` (conf/draft
+    names) x each of `gammas`, on `prompts` ShareGPT prompts x `steps` new tokens (EOS
+    ignored), dense cache: per prompt, greedy once and then every drafter and gamma, the
+    whole `repeats` times after a short warm-up of each, so one greedy measurement is the
+    unit of a whole grid. Per setup: the speedup (decode time summed over prompts and timed rounds),
+    the speedup predicted from its own alpha, c_draft and c_verify (bench's
+    `predicted_speedups`, the same as experiment=gamma reports), acceptance, and whether its
+    tokens equal greedy's (they must: temperature 0)."""
+    from decodelab.decoding import generate, greedy
+    from decodelab.decoding.agreement import first_diff
+    from decodelab.decoding.speculative import SpeculativeDecoder, predicted_speedups
+
+    factory = harness.cache_factory("dense")
+    drafters = {d: harness.option("draft", d)(target=lm, cache=factory) for d in cfg.drafts}
+    setups = {(d, g): SpeculativeDecoder(drafters[d], gamma=g) for d in cfg.drafts for g in cfg.gammas}
+    reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)(lm)
+    prompts = [r.encode(lm.tokenizer) for r in reqs]
+    decode_s = lambda t: t[-1] - t[0]  # noqa: E731
+    run = lambda dec, prompt, n: generate(lm.model, make_cache(lm.model, 1, len(prompt) + n + 1 + dec.lookahead),  # noqa: E731
+                                          dec, [prompt], n)
+    for dec in [greedy(), *setups.values()]:  # warm-up: allocator, the quantized kernels' packing
+        run(dec, prompts[0][:16], 4)
+    plain_s, spec_s, stats, same = 0.0, dict.fromkeys(setups, 0.0), {k: [] for k in setups}, {k: [] for k in setups}
+    for rep in range(cfg.repeats):
+        for i, prompt in enumerate(prompts):
+            plain = run(greedy(), prompt, cfg.steps)
+            plain_s += decode_s(plain.token_times[0])
+            for k, dec in setups.items():
+                r = run(dec, prompt, cfg.steps)
+                spec_s[k] += decode_s(r.token_times[0])
+                stats[k].append(r.stats)
+                same[k].append(first_diff(r.tokens[0], plain.tokens[0]) is None)
+            print(f"round {rep + 1}/{cfg.repeats} prompt {i + 1}/{len(prompts)} ({len(prompt)} tokens) done",
+                  file=sys.stderr)
+    step_s = plain_s / (cfg.repeats * len(prompts) * (cfg.steps - 1))  # one plain decode step
+    rows = []
+    for (d, g), st in stats.items():
+        pred = predicted_speedups(st, step_s)
+        speedup = plain_s / spec_s[(d, g)]
+        rows.append({"draft": d, "gamma": g, "cache": "dense", "needs_drafter": True, "speedup_vs_greedy": speedup,
+                     "predicted_this_hw": pred["predicted_this_hw"], "efficiency": speedup / pred["predicted_this_hw"],
+                     "predicted_leviathan": pred["predicted_leviathan"], "alpha": pred["alpha"],
+                     "acceptance_rate": statistics.mean(x["acceptance_rate"] for x in st),
+                     "mean_accepted": statistics.mean(x["tokens_per_target_call"] for x in st),
+                     "c_draft": pred["c_draft"], "c_verify": pred["c_verify"],
+                     "greedy_tok_s": 1 / step_s, "greedy_identical": f"{sum(same[(d, g)])}/{len(same[(d, g)])}"})
+    return rows
+
+
 PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory,
          "mixed_step": mixed_step, "weights": weights,
-         "weights_quality": weights_quality}
+         "weights_quality": weights_quality, "spec_gamma": spec_gamma}
 
 
 def check(cfg: DictConfig) -> None:
@@ -371,11 +422,17 @@ def check(cfg: DictConfig) -> None:
             p.append(f"weight_compile must be true or false, got {cfg.weight_compile!r}")
         if cfg.part == "weights_quality" and not cfg.weight_types:
             p.append("weight_types must name at least one of int8, int4, int8+head, int4+head")
+    if cfg.part == "spec_gamma":
+        known = harness.group_options("draft")
+        p += [f"drafts: no draft {d!r}; the options are {', '.join(known)}" for d in cfg.drafts if d not in known]
+        p += harness.int_problems(cfg, {"steps": 2})
+        p += [r for d in cfg.drafts if d in known for r in harness.draft_problems(
+            OmegaConf.create({"draft": OmegaConf.load(harness.CONF_DIR / "draft" / f"{d}.yaml"), "model": cfg.model}))]
     lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),
              "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends"),
-             "weights": ("contexts", "weight_types")}
+             "weights": ("contexts", "weight_types"), "spec_gamma": ("gammas", "drafts")}
     for key in lists.get(cfg.part, ()):
-        items, ints = list(cfg[key]), key in ("contexts", "tokens", "chunks")
+        items, ints = list(cfg[key]), key in ("contexts", "tokens", "chunks", "gammas")
         if not items or (ints and not all(isinstance(x, int) and x >= 1 for x in items)):
             p.append(f"{key} must be a non-empty list{' of integers >= 1' if ints else ''}, got {items}")
     p += harness.model_problems(cfg.model)

@@ -8,7 +8,9 @@ The files are in the harness's one schema (experiments/harness.py): prompt lines
 (no summary) and a line that is not a JSON object are skipped with a warning; a run ID seen
 more than once (a sweep rerun with redo) keeps its newest `finished` record. Each entry
 point gets its table (bench: the comparison columns; agree, micro, gpu_check: their
-metrics); the plots are of bench's generations.
+metrics). The plots: bench's generations (TTFT, ITL and KV bytes vs context, speculative
+speedup vs gamma measured and predicted), agree's matrix (top-1 and KL per setup) and
+micro part=weights (decode tok/s vs context per weight type), where the runs have data.
 """
 
 from __future__ import annotations
@@ -124,12 +126,15 @@ def fmt(v) -> str:
 
 def entry_columns(entry: str, rows: list[dict]) -> list[str]:
     """bench: MAIN_COLUMNS, after `model` and `workload` when the rows do not share one, then the
-    side-by-side columns some row has; any other entry: the setup name and its scalar metrics."""
+    side-by-side columns some row has; any other entry: the setup name and its scalar metrics
+    (micro: whatever its rows measured, a draft and gamma included)."""
     if entry == "bench":
         varying = [k for k in ("model", "workload") if len({r.get(k) for r in rows}) > 1]
         return varying + list(MAIN_COLUMNS) + [k for k in SIDE_BY_SIDE if any(r.get(k) is not None for r in rows)]
     keys = dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, (int, float, str)) or v is None)
-    skip = {"entry", "run", "finished", "dir", "n_prompts", "speedup_vs_greedy", *SETUP_FIELDS} - {"model"}
+    skip = {"entry", "run", "finished", "dir", "n_prompts", "name"}
+    # micro's setup is its part and model, so a draft, gamma or speedup there is a metric (spec_gamma's grid)
+    skip |= {"needs_drafter"} if entry == "micro" else {"speedup_vs_greedy", *SETUP_FIELDS} - {"model"}
     return ["name"] + [k for k in keys if k not in skip and any(r.get(k) is not None for r in rows)]
 
 
@@ -181,12 +186,30 @@ def _points(runs: list[dict], field: str, xy, skip=lambda r: False) -> dict[str,
     return {k: v for k, v in out.items() if v}
 
 
-def _by_gamma(rows: list[dict], field: str) -> dict[str, list[tuple]]:
-    """(gamma, row[field]) per drafter and cache, over the speculative rows with both."""
+def _by_gamma(rows: list[dict], field: str, suffix: str = "") -> dict[str, list[tuple]]:
+    """(gamma, row[field]) per drafter and cache (+ `suffix` in the label), over the
+    speculative rows with both."""
     out: dict[str, list[tuple]] = {}
     for r in rows:
         if r.get("needs_drafter") and r.get("gamma") is not None and r.get(field) is not None:
-            out.setdefault(f"{r.get('draft')} / {r.get('cache')}", []).append((r["gamma"], r[field]))
+            out.setdefault(f"{r.get('draft')} / {r.get('cache')}{suffix}", []).append((r["gamma"], r[field]))
+    return out
+
+
+def speculative_series(rows: list[dict]) -> dict[str, list[tuple]]:
+    """Speedup over greedy vs gamma per drafter and cache: "D / C measured" (side by side)
+    and "D / C predicted" (from the run's own alpha, c_draft and c_verify)."""
+    return {**_by_gamma(rows, "speedup_vs_greedy", " measured"), **_by_gamma(rows, "predicted_this_hw", " predicted")}
+
+
+def _micro_weights(runs: list[dict]) -> dict[str, list[tuple]]:
+    """decodelab-micro part=weights: (context, decode tok/s) per system (fp32, int8, ...,
+    transformers-fp32), each system's rows measured side by side in one run."""
+    out: dict[str, list[tuple]] = {}
+    for r in runs:
+        m = r.get("metrics") or {}
+        if (r.get("setup") or {}).get("name") == "weights" and m.get("decode_tok_s") is not None:
+            out.setdefault(str(m.get("system")), []).append((m["context"], m["decode_tok_s"]))
     return out
 
 
@@ -200,6 +223,12 @@ def binned_median(pts: list[tuple], bins: int = 20) -> list[tuple]:
     return [(float(np.median(x[idx == i])), float(np.median(y[idx == i]))) for i in np.unique(idx)]
 
 
+# a measured series ("X measured", "X allocated") and what predicts it ("X predicted", "X formula",
+# dashed): one colour
+KL_FLOOR = 1e-12  # a log-scale bar of KL 0
+MEASURED, PREDICTED = (" measured", " allocated"), (" formula", " predicted")
+
+
 def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
     """One figure of side-by-side panels, each (series {label: [(x, y)]}, x label, y label,
     title), as a matplotlib Figure (no pyplot state); None (logged) when no panel has data."""
@@ -211,8 +240,13 @@ def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
     fig = Figure(figsize=(6.4 * len(panels), 4.4), layout="constrained")
     for i, (series, xlabel, ylabel, title) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
+        colors: dict[str, str] = {}  # "X formula" / "X predicted" (dashed) in the colour of "X ..." (solid)
         for name, pts in series.items():
-            ax.plot(*zip(*sorted(pts)), "--" if name.endswith("formula") else style, label=name, linewidth=0.9)
+            dashed = name.endswith(PREDICTED)
+            key = name.rsplit(" ", 1)[0] if name.endswith(MEASURED + PREDICTED) else name
+            line, = ax.plot(*zip(*sorted(pts)), "--" if dashed else style, label=name, linewidth=0.9,
+                            color=colors.get(key))
+            colors.setdefault(key, line.get_color())
         ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
         ax.grid(True, alpha=0.3)
         if series:
@@ -221,10 +255,60 @@ def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
     return path
 
 
+def bars(path: Path, panels: list[tuple]) -> Path | None:
+    """One figure of side-by-side bar panels, each ({label: (value, ok)}, y label, title,
+    log scale), a bar red where not ok; None (logged) when no panel has data."""
+    from matplotlib.figure import Figure
+
+    if not any(panel[0] for panel in panels):
+        log.info("skipped %s: no data for it", path.name)
+        return None
+    width = max(6.4, 0.45 * max(len(p[0]) for p in panels))
+    fig = Figure(figsize=(width * len(panels), 4.8), layout="constrained")
+    for i, (values, ylabel, title, logy) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        labels = list(values)
+        colors = ["tab:blue" if values[k][1] else "tab:red" for k in labels]
+        ax.bar(labels, [values[k][0] for k in labels], color=colors)
+        ax.set(ylabel=ylabel, title=title, yscale="log" if logy else "linear")
+        ax.tick_params(axis="x", labelrotation=60, labelsize="small")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def weights_plot(runs: list[dict], out: Path) -> dict[str, Path]:
+    """decodelab-micro part=weights: decode tok/s vs context per weight type and transformers."""
+    path = plot(out / "weights_decode_vs_context.png",
+                [(_micro_weights(runs), "prompt tokens", "decode tok/s (batch 1, median)",
+                  "Decode speed per weight type, side by side")])
+    return {"weights_decode_vs_context": path} if path else {}
+
+
+def agreement_bars(runs: list[dict], out: Path) -> dict[str, Path]:
+    """decodelab-agree: top-1 and mean KL against its reference per setup (red: the setup
+    failed its thresholds); a KL of 0 is drawn at KL_FLOOR (log scale)."""
+    top1, kl, refs = {}, {}, set()
+    for r in runs:
+        s, m = r.get("setup") or {}, r.get("metrics") or {}
+        if m.get("top1") is None or m.get("mean_kl") is None:
+            continue
+        refs.add(s.get("reference"))
+        ok = m.get("passed", True)
+        top1[str(s.get("name"))] = (m["top1"], ok)
+        kl[str(s.get("name"))] = (max(m["mean_kl"], KL_FLOOR), ok)
+    ref = "/".join(sorted(map(str, refs)))
+    path = bars(out / "agreement.png", [(top1, f"top-1 agreement with {ref}", "Teacher-forced top-1 per setup", False),
+                                        (kl, f"mean KL({ref} || setup)", "Teacher-forced KL per setup (red: failed "
+                                         "its bar)", True)])
+    return {"agreement": path} if path else {}
+
+
 def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
     """TTFT vs prompt length (per setup), ITL vs context (median per bin, per cache, plain
     decoders), KV MiB allocated and by formula vs context (per cache), and speedup over
-    greedy and acceptance vs gamma (per drafter and cache), where there is data."""
+    greedy (measured and predicted) and acceptance vs gamma (per drafter and cache, from
+    `rows`: bench's and micro part=spec_gamma's), where there is data."""
     def mib(p: dict, key: str) -> list[tuple]:  # (prompt + new tokens, KV MiB) where the prompt recorded `key`
         return [(p["prompt_tokens"] + p["new_tokens"], p[key] / 2**20)] if p.get(key) is not None else []
 
@@ -233,14 +317,17 @@ def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
                   skip=lambda setup: setup.get("needs_drafter"))
     kv = {f"{cache} {kind}": pts for kind in ("allocated", "formula")
           for cache, pts in _points(runs, "cache", lambda p: mib(p, f"kv_bytes_{kind}")).items()}
-    speedup, accept = _by_gamma(rows, "speedup_vs_greedy"), _by_gamma(rows, "acceptance_rate")
+    speedup = speculative_series(rows)
+    accept = _by_gamma(rows, "acceptance_rate")
     figs = {"ttft_vs_prompt_len": [(ttft, "prompt tokens", "TTFT (ms)", "Time to first token vs prompt length")],
             "itl_vs_context": [({k: binned_median(v) for k, v in itl.items()}, "tokens in cache",
                                 "ITL (ms), median per bin", "Inter-token latency vs context (plain decoders)")],
             "kv_mib_vs_context": [(kv, "prompt + new tokens", "KV cache (MiB)", "KV cache memory vs context")],
-            "speculative_vs_gamma": [(speedup, "gamma", "x greedy", "Speculative speedup vs gamma"),
+            "speculative_vs_gamma": [(speedup, "gamma", "x greedy (side by side)",
+                                      "Speculative speedup vs gamma (dashed: predicted from measured costs)"),
                                      (accept, "gamma", "acceptance rate", "Acceptance vs gamma")]}
-    if not speedup and any(r.get("needs_drafter") and r.get("gamma") is not None for r in rows):
+    speculative = any(r.get("needs_drafter") and r.get("gamma") is not None for r in rows)
+    if speculative and not any(k.endswith(" measured") for k in speedup):
         figs.pop("speculative_vs_gamma")
         log.info("skipped speculative_vs_gamma.png: no speculative run measured its speedup over greedy "
                  "side by side (bench's compare_greedy=true)")
@@ -301,7 +388,10 @@ def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, P
     paths = {"csv": write_csv(rows, out / "report.csv"), "md": out / "report.md"}
     paths["md"].write_text(report_markdown(rows))
     bench = [r for r in runs if r.get("entry", "bench") == "bench"]  # the plots are of generations
-    paths.update(plots(bench, [r for r in rows if r["entry"] == "bench"], out))
+    spec = [r for r in rows if r["entry"] == "bench" or (r["entry"] == "micro" and r["name"] == "spec_gamma")]
+    paths.update(plots(bench, spec, out))
+    paths.update(agreement_bars([r for r in runs if r.get("entry") == "agree"], out))
+    paths.update(weights_plot([r for r in runs if r.get("entry") == "micro"], out))
     serve = [r for r in runs if r.get("entry") == "serve"]
     if serve:
         paths.update(serve_plots(serve, out))

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from decodelab.experiments.micro import run
-from decodelab.experiments.report import load_runs
+from decodelab.experiments.report import load_runs, table_rows
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
 
@@ -151,3 +151,37 @@ def test_weights_quality_part_against_fp32_ours_and_transformers(tmp_path):
     assert 0 < by["ours int8"]["mean_kl"] < by["ours int4"]["mean_kl"]  # quantized for real, int4 the coarser
     assert 0 < by["transformers + quanto int8"]["mean_kl"]
     assert all(r["prompts"] == 1 and r["forced_tokens"] == 8 and r["forward_ms_median"] > 0 for r in rows)
+
+
+def test_spec_gamma_part_grid_against_one_greedy_unit(tmp_path, monkeypatch):
+    rows = micro(tmp_path, "part=spec_gamma", "drafts=[prompt-lookup,int8-self]", "gammas=[1,3]", "prompts=2",
+                 "steps=8", "repeats=1")
+    assert [(r["draft"], r["gamma"]) for r in rows] == [("prompt-lookup", 1), ("prompt-lookup", 3),
+                                                         ("int8-self", 1), ("int8-self", 3)]
+    for r in rows:
+        assert r["greedy_identical"] == "2/2"  # temperature 0: every setup decodes greedy's tokens
+        assert 1 <= r["mean_accepted"] <= r["gamma"] + 1 and 0 <= r["acceptance_rate"] <= 1
+        assert r["speedup_vs_greedy"] > 0 and r["predicted_this_hw"] > 0 and r["c_verify"] > 0
+        assert r["efficiency"] == pytest.approx(r["speedup_vs_greedy"] / r["predicted_this_hw"])
+    int8 = [r for r in rows if r["draft"] == "int8-self"]
+    assert all(r["alpha"] > 0.5 for r in int8)  # the target's own weights in int8 agree with it mostly
+    assert len({r["greedy_tok_s"] for r in rows}) == 1  # one greedy measurement is every setup's unit
+
+    runs = load_runs(tmp_path)  # the report draws these rows as measured and predicted speedup vs gamma
+    from decodelab.experiments.report import speculative_series, write_report
+    series = speculative_series(table_rows(runs))
+    assert sorted(series) == ["int8-self / dense measured", "int8-self / dense predicted",
+                              "prompt-lookup / dense measured", "prompt-lookup / dense predicted"]
+    assert all([g for g, _ in pts] == [1, 3] for pts in series.values())
+    assert "speculative_vs_gamma" in write_report(tmp_path)
+
+    import decodelab.models.loading as loading
+
+    monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(SetupError) as e:
+        micro(tmp_path, "part=spec_gamma", "drafts=[prompt-lokup]", "gammas=[0]", "steps=1")
+    for msg in ("drafts: no draft 'prompt-lokup'", "gammas must be a non-empty list of integers >= 1",
+                "steps must be an integer >= 2"):
+        assert msg in str(e.value)
+    with pytest.raises(SetupError, match="quantizes the target, but the target is quantized already"):
+        micro(tmp_path, "part=spec_gamma", "drafts=[int8-self]", "model.weights=int8")

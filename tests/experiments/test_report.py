@@ -184,3 +184,31 @@ def test_cli_exits_2_without_finished_runs(tmp_path):
         assert r.returncode == 2, r.stderr
         assert str(target) in r.stderr and "results.jsonl" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "only" / "report.csv").exists()
+
+
+def test_agreement_and_weights_plots_from_agree_and_micro(tmp_path):
+    """The main job's other panels: agree's matrix as bars (a KL of exactly 0 drawn on the
+    log axis at the floor, a failed setup kept), micro part=weights as tok/s vs context."""
+    from decodelab.experiments.report import _micro_weights, load_runs
+
+    def summary(entry, run, setup, metrics):
+        return {"kind": "summary", "entry": entry, "run": run, "finished": "2025-01-01T00:00:00",
+                "setup": {"model": "tiny-llama", **setup}, "metrics": metrics}
+
+    recs = [summary("agree", "agree-x-dense", {"name": "dense", "reference": "dense"},
+                    {"top1": 1.0, "mean_kl": 0.0, "passed": True}),
+            summary("agree", "agree-x-int4-weights", {"name": "int4-weights", "reference": "dense"},
+                    {"top1": 0.69, "mean_kl": 0.31, "passed": False})]
+    recs += [summary("micro", f"weights-x-{i}-{s}", {"name": "weights"},
+                     {"context": ctx, "system": s, "decode_tok_s": rate * (1 - ctx / 1e4)})
+             for i, ctx in enumerate((32, 64, 128, 192, 256)) for s, rate in (("fp32", 14.0), ("int8", 19.0))]
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    series = _micro_weights(load_runs(tmp_path))
+    assert sorted(series) == ["fp32", "int8"] and all(len(v) == 5 for v in series.values())
+    assert series["int8"][0] == (32, pytest.approx(19.0 * (1 - 32 / 1e4)))
+    paths = write_report(tmp_path)
+    for stem in ("agreement", "weights_decode_vs_context"):
+        data = paths[stem].read_bytes()
+        assert data[:8] == PNG_MAGIC
+    assert "speculative_vs_gamma" not in paths and "itl_vs_context" not in paths  # no bench runs
