@@ -2,7 +2,7 @@
 
     decodelab-bench [setup=paged | cache=int4 decoder=speculative draft=prompt-lookup] [workload=...]
     decodelab-bench -m cache=dense,paged,int4,sliding decoder=greedy,speculative
-    decodelab-bench -m experiment=compare        # README's main job; presets in conf/experiment/
+    decodelab-bench -m experiment=compare        # `make compare`; presets in conf/experiment/
 
 Per prompt: TTFT (tokenize / prefill / first sampling), every ITL, tok/s, KV bytes, the
 speculative statistics, agreement with dense (decoding.agreement, as `agree` measures it);

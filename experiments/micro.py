@@ -8,7 +8,7 @@
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
     decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights, eager and compiled, vs transformers
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
-    decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, one greedy unit for the grid
+    decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, measured and predicted
 """
 
 from __future__ import annotations
@@ -340,11 +340,12 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
 def spec_gamma(cfg, lm, hf) -> list[dict]:
     """Speculative speedup over plain greedy for each drafter of `drafts` (conf/draft
     names) x each of `gammas`, on `prompts` ShareGPT prompts x `steps` new tokens (EOS
-    ignored), dense cache: per prompt, greedy once and then every drafter and gamma, the
-    whole `repeats` times after a short warm-up of each, so one greedy measurement is the
-    unit of a whole grid. Per setup: the speedup (decode time summed over prompts and timed rounds),
-    the speedup predicted from its own alpha, c_draft and c_verify (bench's
-    `predicted_speedups`, the same as experiment=gamma reports), acceptance, and whether its
+    ignored), dense cache. Per round and prompt, each drafter in turn: greedy, then the
+    drafter at every gamma, so the greedy decode right before them is the unit of that
+    drafter's speedups (`repeats` rounds, after a short warm-up of every setup). Per setup:
+    the speedup (decode time summed over prompts and rounds), the speedup predicted from its
+    own alpha, c_draft and c_verify in units of that greedy step (bench's
+    `predicted_speedups`, as experiment=gamma reports it), acceptance, and whether its
     tokens equal greedy's (they must: temperature 0)."""
     from decodelab.decoding import generate, greedy
     from decodelab.decoding.agreement import first_diff
@@ -360,23 +361,25 @@ def spec_gamma(cfg, lm, hf) -> list[dict]:
                                           dec, [prompt], n)
     for dec in [greedy(), *setups.values()]:  # warm-up: allocator, the quantized kernels' packing
         run(dec, prompts[0][:16], 4)
-    plain_s, spec_s, stats, same = 0.0, dict.fromkeys(setups, 0.0), {k: [] for k in setups}, {k: [] for k in setups}
+    plain_s, spec_s = dict.fromkeys(cfg.drafts, 0.0), dict.fromkeys(setups, 0.0)
+    stats, same = {k: [] for k in setups}, {k: [] for k in setups}
     for rep in range(cfg.repeats):
         for i, prompt in enumerate(prompts):
-            plain = run(greedy(), prompt, cfg.steps)
-            plain_s += decode_s(plain.token_times[0])
-            for k, dec in setups.items():
-                r = run(dec, prompt, cfg.steps)
-                spec_s[k] += decode_s(r.token_times[0])
-                stats[k].append(r.stats)
-                same[k].append(first_diff(r.tokens[0], plain.tokens[0]) is None)
+            for d in cfg.drafts:
+                plain = run(greedy(), prompt, cfg.steps)
+                plain_s[d] += decode_s(plain.token_times[0])
+                for g in cfg.gammas:
+                    r = run(setups[(d, g)], prompt, cfg.steps)
+                    spec_s[(d, g)] += decode_s(r.token_times[0])
+                    stats[(d, g)].append(r.stats)
+                    same[(d, g)].append(first_diff(r.tokens[0], plain.tokens[0]) is None)
             print(f"round {rep + 1}/{cfg.repeats} prompt {i + 1}/{len(prompts)} ({len(prompt)} tokens) done",
                   file=sys.stderr)
-    step_s = plain_s / (cfg.repeats * len(prompts) * (cfg.steps - 1))  # one plain decode step
     rows = []
     for (d, g), st in stats.items():
+        step_s = plain_s[d] / (cfg.repeats * len(prompts) * (cfg.steps - 1))  # one plain decode step
         pred = predicted_speedups(st, step_s)
-        speedup = plain_s / spec_s[(d, g)]
+        speedup = plain_s[d] / spec_s[(d, g)]
         rows.append({"draft": d, "gamma": g, "cache": "dense", "needs_drafter": True, "speedup_vs_greedy": speedup,
                      "predicted_this_hw": pred["predicted_this_hw"], "efficiency": speedup / pred["predicted_this_hw"],
                      "predicted_leviathan": pred["predicted_leviathan"], "alpha": pred["alpha"],
@@ -425,9 +428,15 @@ def check(cfg: DictConfig) -> None:
     if cfg.part == "spec_gamma":
         known = harness.group_options("draft")
         p += [f"drafts: no draft {d!r}; the options are {', '.join(known)}" for d in cfg.drafts if d not in known]
+        yaml = lambda d: OmegaConf.load(harness.CONF_DIR / "draft" / f"{d}.yaml")  # noqa: E731
+        composed = [d for d in cfg.drafts if d in known and "defaults" in yaml(d)]
+        p += [f"drafts: {d!r} takes a model of its own, which part=spec_gamma does not compose; time it with "
+              f"decodelab-bench -m experiment=gamma draft={d} model@draft.model=<a conf/model option>"
+              for d in composed]
+        known = [d for d in known if d not in composed]
         p += harness.int_problems(cfg, {"steps": 2})
         p += [r for d in cfg.drafts if d in known for r in harness.draft_problems(
-            OmegaConf.create({"draft": OmegaConf.load(harness.CONF_DIR / "draft" / f"{d}.yaml"), "model": cfg.model}))]
+            OmegaConf.create({"draft": yaml(d), "model": cfg.model}))]
     lists = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),
              "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends"),
              "weights": ("contexts", "weight_types"), "spec_gamma": ("gammas", "drafts")}

@@ -188,11 +188,14 @@ def _points(runs: list[dict], field: str, xy, skip=lambda r: False) -> dict[str,
 
 def _by_gamma(rows: list[dict], field: str, suffix: str = "") -> dict[str, list[tuple]]:
     """(gamma, row[field]) per drafter and cache (+ `suffix` in the label), over the
-    speculative rows with both."""
+    speculative rows with both; rows of several entry points (bench's sweeps, micro's
+    spec_gamma) or models are kept apart, the entry or model named in the label."""
+    spec = [r for r in rows if r.get("needs_drafter") and r.get("gamma") is not None and r.get(field) is not None]
+    apart = [k for k in ("model", "entry") if len({r.get(k) for r in spec}) > 1]
     out: dict[str, list[tuple]] = {}
-    for r in rows:
-        if r.get("needs_drafter") and r.get("gamma") is not None and r.get(field) is not None:
-            out.setdefault(f"{r.get('draft')} / {r.get('cache')}{suffix}", []).append((r["gamma"], r[field]))
+    for r in spec:
+        where = "".join(f" {r.get(k)}" for k in apart)
+        out.setdefault(f"{r.get('draft')} / {r.get('cache')}{where}{suffix}", []).append((r["gamma"], r[field]))
     return out
 
 
@@ -229,6 +232,13 @@ KL_FLOOR = 1e-12  # a log-scale bar of KL 0
 MEASURED, PREDICTED = (" measured", " allocated"), (" formula", " predicted")
 
 
+def line_style(name: str) -> tuple[bool, str]:
+    """(dashed, colour key) of a series: "X predicted" / "X formula" dashed, in the colour of
+    "X measured" / "X allocated" (solid); any other series solid in a colour of its own."""
+    paired = name.endswith(MEASURED + PREDICTED)
+    return name.endswith(PREDICTED), name.rsplit(" ", 1)[0] if paired else name
+
+
 def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
     """One figure of side-by-side panels, each (series {label: [(x, y)]}, x label, y label,
     title), as a matplotlib Figure (no pyplot state); None (logged) when no panel has data."""
@@ -240,10 +250,9 @@ def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
     fig = Figure(figsize=(6.4 * len(panels), 4.4), layout="constrained")
     for i, (series, xlabel, ylabel, title) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
-        colors: dict[str, str] = {}  # "X formula" / "X predicted" (dashed) in the colour of "X ..." (solid)
+        colors: dict[str, str] = {}  # one colour per `line_style` key
         for name, pts in series.items():
-            dashed = name.endswith(PREDICTED)
-            key = name.rsplit(" ", 1)[0] if name.endswith(MEASURED + PREDICTED) else name
+            dashed, key = line_style(name)
             line, = ax.plot(*zip(*sorted(pts)), "--" if dashed else style, label=name, linewidth=0.9,
                             color=colors.get(key))
             colors.setdefault(key, line.get_color())
@@ -285,19 +294,25 @@ def weights_plot(runs: list[dict], out: Path) -> dict[str, Path]:
     return {"weights_decode_vs_context": path} if path else {}
 
 
+def agreement_values(runs: list[dict]) -> tuple[dict, dict, str]:
+    """decodelab-agree's runs as bars: ({setup: (top-1, passed)}, {setup: (mean KL, passed)},
+    the reference(s)); a KL of 0 is KL_FLOOR (a log axis), and where the runs have several
+    references or models, each bar's label names its own."""
+    found = [(r.get("setup") or {}, r.get("metrics") or {}) for r in runs]
+    found = [(s, m) for s, m in found if m.get("top1") is not None and m.get("mean_kl") is not None]
+    apart = [k for k in ("model", "reference") if len({s.get(k) for s, _ in found}) > 1]
+    top1, kl = {}, {}
+    for s, m in found:
+        label = " ".join([str(s.get("name")), *(str(s.get(k)) for k in apart)])
+        ok = m.get("passed", True)
+        top1[label], kl[label] = (m["top1"], ok), (max(m["mean_kl"], KL_FLOOR), ok)
+    return top1, kl, "/".join(sorted({str(s.get("reference")) for s, _ in found}))
+
+
 def agreement_bars(runs: list[dict], out: Path) -> dict[str, Path]:
     """decodelab-agree: top-1 and mean KL against its reference per setup (red: the setup
-    failed its thresholds); a KL of 0 is drawn at KL_FLOOR (log scale)."""
-    top1, kl, refs = {}, {}, set()
-    for r in runs:
-        s, m = r.get("setup") or {}, r.get("metrics") or {}
-        if m.get("top1") is None or m.get("mean_kl") is None:
-            continue
-        refs.add(s.get("reference"))
-        ok = m.get("passed", True)
-        top1[str(s.get("name"))] = (m["top1"], ok)
-        kl[str(s.get("name"))] = (max(m["mean_kl"], KL_FLOOR), ok)
-    ref = "/".join(sorted(map(str, refs)))
+    failed its thresholds), as `agreement_values` gives them."""
+    top1, kl, ref = agreement_values(runs)
     path = bars(out / "agreement.png", [(top1, f"top-1 agreement with {ref}", "Teacher-forced top-1 per setup", False),
                                         (kl, f"mean KL({ref} || setup)", "Teacher-forced KL per setup (red: failed "
                                          "its bar)", True)])

@@ -37,6 +37,8 @@ run kv_quality $B/decodelab-micro part=kv_quality prompts=1 forced_tokens=8 grou
 run kv_memory $B/decodelab-micro part=kv_memory 'contexts=[64]' "${TINY[@]}" "hydra.run.dir=$OUT/kv_memory"
 run mixed_step $B/decodelab-micro part=mixed_step 'chunks=[4]' decode_rows=2 decode_context=16 chunk_context=24 \
     repeats=1 "${TINY[@]}" "hydra.run.dir=$OUT/mixed_step"
+run spec_gamma $B/decodelab-micro part=spec_gamma 'drafts=[prompt-lookup,int8-self]' 'gammas=[1,2]' prompts=1 steps=4 \
+    repeats=1 "${TINY[@]}" "hydra.run.dir=$OUT/spec_gamma"
 run serve $B/decodelab-serve trace=synthetic requests=4 'synthetic.prompt_tokens=[8,16]' \
     'synthetic.output_tokens=[4,8]' 'rates=[inf,50]' compare_transformers=false check_alone=2 unloaded=1 "${TINY[@]}" \
     "hydra.run.dir=$OUT/serve"

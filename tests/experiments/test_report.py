@@ -189,7 +189,7 @@ def test_cli_exits_2_without_finished_runs(tmp_path):
 def test_agreement_and_weights_plots_from_agree_and_micro(tmp_path):
     """The main job's other panels: agree's matrix as bars (a KL of exactly 0 drawn on the
     log axis at the floor, a failed setup kept), micro part=weights as tok/s vs context."""
-    from decodelab.experiments.report import _micro_weights, load_runs
+    from decodelab.experiments.report import KL_FLOOR, _micro_weights, agreement_values, load_runs
 
     def summary(entry, run, setup, metrics):
         return {"kind": "summary", "entry": entry, "run": run, "finished": "2025-01-01T00:00:00",
@@ -207,8 +207,27 @@ def test_agreement_and_weights_plots_from_agree_and_micro(tmp_path):
     series = _micro_weights(load_runs(tmp_path))
     assert sorted(series) == ["fp32", "int8"] and all(len(v) == 5 for v in series.values())
     assert series["int8"][0] == (32, pytest.approx(19.0 * (1 - 32 / 1e4)))
+    top1, kl, ref = agreement_values(load_runs(tmp_path))
+    assert ref == "dense" and top1 == {"dense": (1.0, True), "int4-weights": (0.69, False)}
+    assert kl == {"dense": (KL_FLOOR, True), "int4-weights": (0.31, False)}  # 0 on a log axis: the floor
     paths = write_report(tmp_path)
     for stem in ("agreement", "weights_decode_vs_context"):
         data = paths[stem].read_bytes()
         assert data[:8] == PNG_MAGIC
     assert "speculative_vs_gamma" not in paths and "itl_vs_context" not in paths  # no bench runs
+
+
+def test_measured_and_predicted_series_share_a_colour_and_sources_stay_apart(sweep):
+    from decodelab.experiments.report import agreement_values, line_style, speculative_series
+
+    assert line_style("int8-self / dense measured") == (False, "int8-self / dense")
+    assert line_style("int8-self / dense predicted") == (True, "int8-self / dense")
+    assert line_style("dense formula") == (True, "dense") == (not line_style("dense allocated")[0], "dense")
+    assert line_style("fp32") == (False, "fp32")
+    rows = table_rows(load_runs(sweep))
+    micro = {**rows[1], "entry": "micro", "speedup_vs_greedy": 1.1}  # a spec_gamma point at a gamma bench has
+    labels = sorted(speculative_series([*rows, micro]))
+    assert "early-exit / dense bench measured" in labels and "early-exit / dense micro measured" in labels
+    runs = [{"setup": {"name": "int4", "reference": ref}, "metrics": {"top1": t, "mean_kl": 0.01, "passed": True}}
+            for ref, t in (("dense", 0.9), ("transformers", 0.8))]
+    assert sorted(agreement_values(runs)[0]) == ["int4 dense", "int4 transformers"]
