@@ -226,9 +226,9 @@ def binned_median(pts: list[tuple], bins: int = 20) -> list[tuple]:
     return [(float(np.median(x[idx == i])), float(np.median(y[idx == i]))) for i in np.unique(idx)]
 
 
+KL_FLOOR = 1e-12  # a log-scale bar of KL 0
 # a measured series ("X measured", "X allocated") and what predicts it ("X predicted", "X formula",
 # dashed): one colour
-KL_FLOOR = 1e-12  # a log-scale bar of KL 0
 MEASURED, PREDICTED = (" measured", " allocated"), (" formula", " predicted")
 
 
