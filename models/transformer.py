@@ -86,7 +86,7 @@ class Packed:
     one flat batch, segment after segment: the position-wise work (norms, projections,
     MLP, head) runs on those N rows only, once for all segments, and attention, which the
     cache runs on padded [B, T] batches, sees each segment unpacked (zeros at padding). A
-    batch whose rows are mostly padding (a serving engine's decode step with idle rows,
+    batch with padding (a serving engine's decode step with idle rows,
     chunks of different lengths) then costs what its tokens cost, and a decode step and a
     prefill chunk share one read of the weights."""
 
@@ -241,8 +241,9 @@ class Transformer(nn.Module):
             cache.prepare(positions, valid)
         else:
             cache.prepare(positions, valid, rows=rows)
-        # mostly padding: the position-wise work runs on the valid tokens only
-        packed = Packed(valid) if valid is not None and 2 * int(valid.sum()) <= valid.numel() else None
+        # any padding (a serving engine's decode rows with idle rows among them, prompts of
+        # different lengths): the position-wise work runs on the valid tokens only
+        packed = Packed(valid) if valid is not None and not bool(valid.all()) else None
         x = self.embed(ids if packed is None else packed.pack(ids))  # [B, T, dim] or [N, dim]
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)

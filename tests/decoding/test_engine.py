@@ -70,6 +70,29 @@ def test_engine_output_equals_each_request_alone(tiny_models, alone, name, backe
 
 
 @pytest.mark.parametrize("backend", list(SERVING))
+def test_a_prefill_only_step_runs_every_chunk_in_one_forward(tiny_models, alone, backend, monkeypatch):
+    """prefill-first: a step without decode rows runs its chunks as segments of one forward
+    (one read of the weights), a long chunk a segment of its own; outputs unchanged."""
+    m = tiny_models["llama"].model
+    prompts, expected = alone["llama", backend]
+    monkeypatch.setattr(Engine, "OWN_FORWARD", 20)  # chunks of 25-40 tokens: segments of their own
+    calls = []
+    real = m.forward_segments
+
+    def spy(segments, cache, n_layers=None):
+        calls.append([s.ids.shape for s in segments])
+        return real(segments, cache, n_layers)
+
+    monkeypatch.setattr(m, "forward_segments", spy)
+    cache = cache_for(m, 4, 80, SERVING[backend])
+    r = serve(m, cache, greedy(), requests(prompts), token_budget=256, policy="prefill-first")
+    assert [x.tokens for x in r.requests] == expected
+    prefill_only = [c for c, t in zip(calls, r.timeline) if t["prefill_tokens"] and not t["decode_rows"]]
+    assert any(len(c) >= 3 for c in prefill_only), calls  # two long chunks alone, the short ones together
+    assert not any(t["decode_rows"] and t["prefill_tokens"] for t in r.timeline)
+
+
+@pytest.mark.parametrize("backend", list(SERVING))
 def test_forced_preemption_keeps_every_output(tiny_models, alone, backend):
     """A budget of 1.5 rows of 60 tokens: requests are preempted, recomputed, and still
     produce exactly what they produce alone; none is lost or served twice."""
