@@ -84,6 +84,20 @@ def predicted_speedups(stats: list[dict], step_s: float) -> dict:
             "predicted_this_hw": leviathan_speedup(alpha, gamma, c, verify_cost=v)}
 
 
+def speedup_over_greedy(spec_s: float, plain_s: float, plain_steps: int, stats: list[dict]) -> dict:
+    """A speculative setup's measured speedup over plain greedy decoded side by side
+    (`spec_s`, `plain_s`: their decode seconds over the same prompts, `plain_steps`: greedy's
+    decode steps in `plain_s`), and the prediction from the setup's own statistics
+    (`predicted_speedups`): c_draft, c_verify, both predictions and the efficiency
+    (measured over predicted on this hardware)."""
+    m = {"speedup_vs_greedy": plain_s / spec_s if spec_s else None}
+    if m["speedup_vs_greedy"] and plain_steps and stats:
+        pred = predicted_speedups(stats, plain_s / plain_steps)
+        m |= {k: pred[k] for k in ("alpha", "c_draft", "c_verify", "predicted_leviathan", "predicted_this_hw")}
+        m["efficiency"] = m["speedup_vs_greedy"] / pred["predicted_this_hw"]
+    return m
+
+
 class SpeculativeStats:
     """Acceptance per draft position, tokens per target call, alpha, and the time split.
 

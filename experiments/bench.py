@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from decodelab.decoding.agreement import compare, dense_logits, first_diff, pool, setup_logits
 from decodelab.decoding.decoders import greedy
 from decodelab.decoding.generate import generate, percentile
-from decodelab.decoding.speculative import predicted_speedups
+from decodelab.decoding.speculative import speedup_over_greedy
 from decodelab.decoding.text import capacity_problems, make_cache
 from decodelab.experiments import harness
 from decodelab.experiments.report import read_results
@@ -113,17 +113,12 @@ def measure_batch(lm, factory, decoder, reqs, cfg, hf=None) -> list[dict]:
     if cfg.compare_greedy and decoder.needs_drafter:
         plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=eos)
         for b, rec in enumerate(recs):
-            rec["greedy"] = {"decode_s": _decode_s(plain.token_times[b]), "new_tokens": len(plain.tokens[b]),
+            rec["greedy"] = {"decode_s": harness.decode_s(plain.token_times[b]), "new_tokens": len(plain.tokens[b]),
                              "identical": first_diff(plain.tokens[b], res.tokens[b]) is None}
             rec["spec_stats"] = res.stats  # row statistics for the side-by-side prediction
     if hf is not None:
         recs[0]["transformers"] = hf_generate(hf, ids[0], cfg.max_new_tokens, eos, res.tokens[0])
     return recs
-
-
-def _decode_s(times: list[float]) -> float:
-    """First to last generated token (the decode phase)."""
-    return times[-1] - times[0] if len(times) > 1 else 0.0
 
 
 def _eos(lm) -> tuple[int, ...]:
@@ -137,7 +132,7 @@ def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, d
     """Timings, memory, speculative statistics and agreement of row `b`."""
     times, n = res.token_times[b], res.prompt_lengths[b]
     itl = [y - x for x, y in zip(times, times[1:])]
-    dec_s = _decode_s(times)
+    dec_s = harness.decode_s(times)
     rec = {"kind": "prompt", "prompt_id": prompt_id, "prompt_tokens": n, "new_tokens": len(res.tokens[b]),
            "finish": res.finish_reasons[b], "tokenize_ms": 1e3 * res.tokenize_s, "prefill_ms": 1e3 * res.prefill_s,
            "compile_ms": 1e3 * res.compile_s,
@@ -170,7 +165,7 @@ def hf_generate(hf, ids: list[int], new_tokens: int, eos: tuple, ours: list[int]
     """transformers' greedy `generate()` on the same ids (EOS ignored when ours ignores
     it): TTFT, decode time and tokens, and whether its tokens equal ours."""
     tokens, times = hf_generate_timed(hf, ids, new_tokens, eos)
-    return {"ttft_ms": 1e3 * times[0], "decode_s": _decode_s(times), "new_tokens": len(tokens),
+    return {"ttft_ms": 1e3 * times[0], "decode_s": harness.decode_s(times), "new_tokens": len(tokens),
             "identical": first_diff(tokens, ours) is None}
 
 
@@ -211,15 +206,10 @@ def vs_greedy(recs: list[dict]) -> dict:
     prediction from this run's costs (c_draft, c_verify in plain decode steps)."""
     if not recs:
         return {}
-    spec_s, plain_s = sum(r["decode_s"] for r in recs), sum(r["greedy"]["decode_s"] for r in recs)
-    m = {"speedup_vs_greedy": plain_s / spec_s if spec_s else None,
-         "greedy_identical": sum(r["greedy"]["identical"] for r in recs) / len(recs)}
-    steps = sum(r["greedy"]["new_tokens"] - 1 for r in recs)
-    if m["speedup_vs_greedy"] and steps:
-        pred = predicted_speedups([r["spec_stats"] for r in recs], plain_s / steps)
-        m.update({k: pred[k] for k in ("c_draft", "c_verify", "predicted_leviathan", "predicted_this_hw")})
-        m["efficiency"] = m["speedup_vs_greedy"] / pred["predicted_this_hw"]
-    return m
+    m = speedup_over_greedy(sum(r["decode_s"] for r in recs), sum(r["greedy"]["decode_s"] for r in recs),
+                            sum(r["greedy"]["new_tokens"] - 1 for r in recs), [r["spec_stats"] for r in recs])
+    m.pop("alpha", None)  # the run's alpha is reported from its own statistics
+    return m | {"greedy_identical": sum(r["greedy"]["identical"] for r in recs) / len(recs)}
 
 
 def vs_transformers(recs: list[dict]) -> dict:

@@ -113,6 +113,11 @@ class Timer:
         return sorted(self.seconds)[len(self.seconds) // 2]
 
 
+def decode_s(token_times: list[float]) -> float:
+    """First to last generated token of one output (its decode phase; 0 for one token)."""
+    return token_times[-1] - token_times[0] if len(token_times) > 1 else 0.0
+
+
 # -- a setup from configs ---------------------------------------------------------------------
 def collect(reasons: list[str], fn):
     """fn(), or None with its SetupError's reasons added to `reasons`."""

@@ -344,19 +344,18 @@ def spec_gamma(cfg, lm, hf) -> list[dict]:
     drafter at every gamma, so the greedy decode right before them is the unit of that
     drafter's speedups (`repeats` rounds, after a short warm-up of every setup). Per setup:
     the speedup (decode time summed over prompts and rounds), the speedup predicted from its
-    own alpha, c_draft and c_verify in units of that greedy step (bench's
-    `predicted_speedups`, as experiment=gamma reports it), acceptance, and whether its
+    own alpha, c_draft and c_verify in units of that greedy step (`speedup_over_greedy`,
+    as experiment=gamma reports it), acceptance, and whether its
     tokens equal greedy's (they must: temperature 0)."""
     from decodelab.decoding import generate, greedy
     from decodelab.decoding.agreement import first_diff
-    from decodelab.decoding.speculative import SpeculativeDecoder, predicted_speedups
+    from decodelab.decoding.speculative import SpeculativeDecoder, speedup_over_greedy
 
     factory = harness.cache_factory("dense")
     drafters = {d: harness.option("draft", d)(target=lm, cache=factory) for d in cfg.drafts}
     setups = {(d, g): SpeculativeDecoder(drafters[d], gamma=g) for d in cfg.drafts for g in cfg.gammas}
     reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens)(lm)
     prompts = [r.encode(lm.tokenizer) for r in reqs]
-    decode_s = lambda t: t[-1] - t[0]  # noqa: E731
     run = lambda dec, prompt, n: generate(lm.model, make_cache(lm.model, 1, len(prompt) + n + 1 + dec.lookahead),  # noqa: E731
                                           dec, [prompt], n)
     for dec in [greedy(), *setups.values()]:  # warm-up: allocator, the quantized kernels' packing
@@ -367,26 +366,23 @@ def spec_gamma(cfg, lm, hf) -> list[dict]:
         for i, prompt in enumerate(prompts):
             for d in cfg.drafts:
                 plain = run(greedy(), prompt, cfg.steps)
-                plain_s[d] += decode_s(plain.token_times[0])
+                plain_s[d] += harness.decode_s(plain.token_times[0])
                 for g in cfg.gammas:
                     r = run(setups[(d, g)], prompt, cfg.steps)
-                    spec_s[(d, g)] += decode_s(r.token_times[0])
+                    spec_s[(d, g)] += harness.decode_s(r.token_times[0])
                     stats[(d, g)].append(r.stats)
                     same[(d, g)].append(first_diff(r.tokens[0], plain.tokens[0]) is None)
             print(f"round {rep + 1}/{cfg.repeats} prompt {i + 1}/{len(prompts)} ({len(prompt)} tokens) done",
                   file=sys.stderr)
     rows = []
     for (d, g), st in stats.items():
-        step_s = plain_s[d] / (cfg.repeats * len(prompts) * (cfg.steps - 1))  # one plain decode step
-        pred = predicted_speedups(st, step_s)
-        speedup = plain_s[d] / spec_s[(d, g)]
-        rows.append({"draft": d, "gamma": g, "cache": "dense", "needs_drafter": True, "speedup_vs_greedy": speedup,
-                     "predicted_this_hw": pred["predicted_this_hw"], "efficiency": speedup / pred["predicted_this_hw"],
-                     "predicted_leviathan": pred["predicted_leviathan"], "alpha": pred["alpha"],
+        plain_steps = cfg.repeats * len(prompts) * (cfg.steps - 1)
+        rows.append({"draft": d, "gamma": g, "cache": "dense", "needs_drafter": True,
+                     **speedup_over_greedy(spec_s[(d, g)], plain_s[d], plain_steps, st),
                      "acceptance_rate": statistics.mean(x["acceptance_rate"] for x in st),
                      "mean_accepted": statistics.mean(x["tokens_per_target_call"] for x in st),
-                     "c_draft": pred["c_draft"], "c_verify": pred["c_verify"],
-                     "greedy_tok_s": 1 / step_s, "greedy_identical": f"{sum(same[(d, g)])}/{len(same[(d, g)])}"})
+                     "greedy_tok_s": plain_steps / plain_s[d],
+                     "greedy_identical": f"{sum(same[(d, g)])}/{len(same[(d, g)])}"})
     return rows
 
 
