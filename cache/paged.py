@@ -382,14 +382,17 @@ class PagedCache(KVCache):
     def reuse_prefix(self, prompts: list[list[int]], rows: list[int] | None = None) -> list[int]:
         """Map each prompt's cached full blocks (chain-hash hits) into its row (every row in
         order, or `rows`, which are emptied first); returns the tokens reused per prompt (at
-        most len - 1: the last position is always computed)."""
+        most len - 1: the last position is always computed). `prefix_reused_tokens` counts
+        the tokens mapped beyond what each row held (a serving engine maps a waiting
+        request's prompt again as more of it gets cached)."""
         rows = list(range(self.batch_size)) if rows is None else list(rows)
+        held = [int(self.lengths[row]) for row in rows]
         for row in rows:
             self.release(row)
         reused = [self._map_prefix(b, p) if self.prefix_caching else 0 for b, p in zip(rows, prompts)]
         self.lengths = self.lengths.clone()
         self.lengths[rows] = torch.tensor(reused, dtype=torch.long)
-        self.prefix_reused_tokens += sum(reused)
+        self.prefix_reused_tokens += sum(max(0, r - h) for r, h in zip(reused, held))
         return reused
 
     def _map_prefix(self, row: int, prompt: list[int]) -> int:

@@ -37,7 +37,9 @@ released and it goes back to the head of the queue with what it generated; when
 readmitted it prefills prompt + output again (recompute, vLLM's default) and continues,
 so its output is unchanged (greedy: token-identical up to the float rounding of a prefill
 against decode steps). A paged cache with prefix caching maps the cached blocks of a
-common prompt prefix (a system prompt) into the new row instead of computing them.
+common prompt prefix (a system prompt) into the new row instead of computing them, and a
+request that has computed nothing yet maps again, before each step, what got cached since
+(`_map_cached_prefixes`: a burst of requests behind one system prompt shares it).
 
 A request that can never run (longer than a row or than the whole budget, bad token ids)
 is rejected on arrival with its reason; the others are served.
@@ -50,8 +52,8 @@ cache row). The draft model's cache is not charged to the KV budget.
 Why the static `generate` (decoding/generate.py) is not a thin call into the engine: it
 serves what the engine does not (the sliding backend, which cannot release one row; stop
 strings and streaming text; chunked prefill of a whole static batch in one forward), and
-its prefill of a static batch is one padded forward where the engine runs one forward per
-long chunk, so their logits differ by float summation order. Its greedy output is the
+its prefill of a static batch is one padded forward where the engine runs each long chunk
+as a segment of its own, so their logits differ by float summation order. Its greedy output is the
 engine's "all requests at t = 0" output (tests/decoding/test_engine.py checks it token
 for token).
 """
@@ -132,6 +134,7 @@ class _Running:
     feed: list[int]  # prompt (+ output so far, after a preemption) to prefill
     fed: int = 0  # tokens of `feed` in the cache
     order: int = 0  # admission counter: the latest admitted is preempted first
+    mapped: int = 0  # tokens of `feed` a prefix cache supplied (all `fed` ones: nothing computed yet)
 
     @property
     def prefilling(self) -> bool:
@@ -235,6 +238,7 @@ class Engine:
             self._admit(requests, results, clock)
             if not self.running:
                 continue
+            self._map_cached_prefixes()
             preempted += self._fit_budget()
             decode, chunks = self._plan()
             try:
@@ -299,7 +303,20 @@ class Engine:
             if res.admitted_s is None:
                 res.admitted_s, res.prefix_reused = clock(), reused
             self._order += 1
-            self.running[row] = _Running(i, req, res, row, feed, reused, self._order)
+            self.running[row] = _Running(i, req, res, row, feed, reused, self._order, reused)
+
+    def _map_cached_prefixes(self) -> None:
+        """A prefilling request that has computed nothing yet (its row holds only mapped
+        blocks, if any) maps its prompt's blocks again (`reuse_prefix`), taking those cached
+        since: in a burst behind one system prompt, the requests admitted while the first
+        was still prefilling it then compute only their own tokens."""
+        for r in self.running.values():
+            if r.prefilling and r.fed == r.mapped and int(self.cache.lengths[r.row]) == r.fed:
+                reused = self.cache.reuse_prefix([r.feed], [r.row])[0]  # releases the row, then maps
+                if reused != r.fed:
+                    r.fed = r.mapped = reused
+                    if r.res.preemptions == 0:  # counted for the first admission, as `_admit` counts it
+                        r.res.prefix_reused = reused
 
     def _step_growth(self, steps: int, decode: list[_Running] | None = None) -> dict[int, int]:
         """Tokens `steps` decode steps add per decoding row (a speculative round: up to its
@@ -437,14 +454,15 @@ class Engine:
         self._prefilled(chunks, logits, clock)
 
     def _prefilled(self, chunks: list[tuple[_Running, int]], logits: torch.Tensor, clock) -> None:
-        """The chunks are in the cache (their rows' last logits [b, V]): a request whose
-        prompt is done offers its prefix blocks and emits its first token."""
+        """The chunks are in the cache (their rows' last logits [b, V]): each row offers
+        the prompt blocks it holds so far (a request admitted meanwhile maps them,
+        `_map_cached_prefixes`), and a request whose prompt is done emits its first token."""
         done = []
         for b, (r, c) in enumerate(chunks):
             r.fed += c
+            self.cache.remember_prefix([r.feed[:r.fed]], [r.row])
             if not r.prefilling:
                 done.append(b)
-                self.cache.remember_prefix([r.feed], [r.row])
         if done:
             self._emit([chunks[b][0] for b in done], [[t] for t in self.decoder.start(logits[done]).tolist()], clock)
 

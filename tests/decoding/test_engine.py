@@ -15,7 +15,7 @@ from decodelab.cache.paged import PagedCache
 from decodelab.cache.sliding import SlidingCache
 from decodelab.decoding import Request, generate, greedy, serve
 from decodelab.decoding.decoders import SamplingDecoder
-from decodelab.decoding.engine import Engine
+from decodelab.decoding.engine import POLICIES, Engine
 from decodelab.decoding.speculative import SpeculativeDecoder
 from decodelab.models.errors import SetupError
 from tests.conftest import cache_for, random_ids
@@ -87,6 +87,7 @@ def test_a_prefill_only_step_runs_every_chunk_in_one_forward(tiny_models, alone,
     cache = cache_for(m, 4, 80, SERVING[backend])
     r = serve(m, cache, greedy(), requests(prompts), token_budget=256, policy="prefill-first")
     assert [x.tokens for x in r.requests] == expected
+    assert len(calls) == len(r.timeline)  # one forward per step
     prefill_only = [c for c, t in zip(calls, r.timeline) if t["prefill_tokens"] and not t["decode_rows"]]
     assert any(len(c) >= 3 for c in prefill_only), calls  # two long chunks alone, the short ones together
     assert not any(t["decode_rows"] and t["prefill_tokens"] for t in r.timeline)
@@ -128,6 +129,23 @@ def test_prefix_sharing_maps_a_common_system_prompt(tiny_models):
               token_budget=64)
     assert [x.tokens for x in r.requests] == expected
     assert r.requests[0].prefix_reused == 0 and all(x.prefix_reused == 32 for x in r.requests[1:])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_burst_maps_the_system_prompt_cached_while_it_waited(tiny_models, policy):
+    """Requests admitted together while the first still prefills the common system prompt
+    (a budget of 16 tokens per step): each maps the blocks cached since, before it
+    computes anything."""
+    m = tiny_models["llama"].model
+    system = random_ids(32, seed=99)
+    prompts = [system + random_ids(n, seed=n) for n in (4, 9, 6, 11)]
+    expected = [generate(m, cache_for(m, 1, 80), greedy(), [p], 8).tokens[0] for p in prompts]
+    cache = cache_for(m, 3, 80, functools.partial(PagedCache, block_size=8))
+    r = serve(m, cache, greedy(), [Request(p, 8) for p in prompts], token_budget=16, policy=policy)
+    assert [x.tokens for x in r.requests] == expected
+    assert r.requests[0].prefix_reused == 0 and all(x.prefix_reused == 32 for x in r.requests[1:])
+    assert sum(t["prefill_tokens"] for t in r.timeline) == sum(len(p) for p in prompts) - 3 * 32
+    assert cache.prefix_reused_tokens == 3 * 32  # mapped again as more got cached: counted once
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_steps(tiny_models):
