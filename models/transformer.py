@@ -86,9 +86,9 @@ class Packed:
     one flat batch, segment after segment: the position-wise work (norms, projections,
     MLP, head) runs on those N rows only, once for all segments, and attention, which the
     cache runs on padded [B, T] batches, sees each segment unpacked (zeros at padding). A
-    batch with padding (a serving engine's decode step with idle rows,
-    chunks of different lengths) then costs what its tokens cost, and a decode step and a
-    prefill chunk share one read of the weights."""
+    batch with padding (a serving engine's decode step with idle rows, chunks of different
+    lengths) then costs what its tokens cost, and a decode step and a prefill chunk share
+    one read of the weights."""
 
     def __init__(self, valid: torch.Tensor | list[torch.Tensor]):  # [B, T] bool, or one per segment
         valids = [valid] if isinstance(valid, torch.Tensor) else list(valid)
