@@ -161,7 +161,7 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
 
 
 #: the model options that quantize weights: a setup (conf/setup/int8-weights.yaml) may set them
-WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow")
+WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow", "weight_kernel")
 
 
 def _weights_of(model_cfg) -> dict:
@@ -189,7 +189,8 @@ def setup_models(cfg: DictConfig, composed: dict[str, DictConfig], lm) -> dict:
         key = tuple(w.items())
         if key not in copies:
             copies[key] = quantize_weights(lm.model, w["weights"] or "none", group_size=w["weight_group_size"],
-                                           quantize_head=bool(w["quantize_head"]), allow_slow=bool(w["allow_slow"]))
+                                           quantize_head=bool(w["quantize_head"]), allow_slow=bool(w["allow_slow"]),
+                                           kernel=w["weight_kernel"] or "auto")
         out[name] = copies[key]
     return out
 

@@ -177,13 +177,20 @@ def model_problems(spec, key: str = "model") -> list[str]:
 
     return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
                                  spec.get("device"), key, spec.get("weight_group_size"),
-                                 spec.get("quantize_head", False), spec.get("allow_slow", False))
+                                 spec.get("quantize_head", False), spec.get("allow_slow", False),
+                                 spec.get("weight_kernel", "auto"))
 
 
 def draft_problems(cfg: DictConfig) -> list[str]:
     """A draft model's options; a draft that quantizes the target, of a target quantized already."""
     draft = cfg.get("draft") or {}
     p = model_problems(draft.model, "draft.model") if draft.get("model") is not None else []
+    if declared(draft, "quantizes_target"):  # its weight options, before the target loads
+        from decodelab.models.quantize import weight_option_problems
+
+        p += weight_option_problems(draft.get("weights", "int8"), draft.get("group_size"),
+                                    draft.get("quantize_head", False), draft.get("allow_slow", False), "draft",
+                                    draft.get("weight_kernel", "auto"))
     if declared(draft, "quantizes_target") and cfg.model.get("weights", "none") != "none":
         p.append(f"draft={draft.get('weights')}-self quantizes the target, but the target is quantized already "
                  f"(model.weights={cfg.model.weights}); use model.weights=none, or another draft (early-exit, "

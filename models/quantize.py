@@ -5,24 +5,31 @@ decoding.
 The codes, scales and shifts are quanto's (int8: symmetric, one scale per output
 channel, `absmax_scale`; int4: affine, one scale and shift per group of `group_size`
 input channels, `MaxOptimizer`, w = code x scale - shift). What computes the product is
-declared per case (`weight_kernel`):
-- CPU int8: `torch._weight_int8pack_mm` (int8 [out, in], bf16 scales);
-- CPU int4: `torch._weight_int4pack_mm_for_cpu` (codes packed by
-  `_convert_weight_to_int4pack_for_cpu`; per group a bf16 scale and a bf16 zero, the
-  value at code 8: w = (code - 8) x scale + zero, so zero = 8 x scale - shift). It takes
-  groups of 32, 64, 128 or 256 input channels (quanto's own CPU fast path only groups of
-  128, which SmolLM2's 576 inputs do not divide) and output sizes divisible by 16.
-Both kernels read bf16 activations: a projection casts its input to bf16 and its output
-back to the model's dtype (an fp32 model keeps fp32 everywhere else). With fp32
-activations the same kernels are 4-20x slower (measured on the issue's AVX-512 machine),
-so that case is never taken. Products of more than `QuantProj.MAX_KERNEL_ROWS` rows (a
-prefill) dequantize the weight and multiply in the model's dtype: the kernels' cost grows
-with the rows where the CPU has no bf16 arithmetic. int4 keeps its codes twice for that
-(the kernel's packed layout, and plain nibbles): 1 byte per weight instead of 0.5.
+a model option, `weight_kernel` (`KERNELS`), and declared per projection
+(`QuantProj.kernel`, `weight_kernel()`):
+- `native`: decodelab's own CPU kernels (models/native.py; x86 with AVX2 + FMA, built
+  with the C compiler on first use). int8: fp32 activations and quanto's fp32 scales, so
+  the product is quanto's dequantized weight exactly (summation order aside). int4:
+  quanto's fp32 scales and shifts, codes at 0.5 byte per weight, activations quantized to
+  int8 per 32 input channels (as llama.cpp's Q8 activations) for integer dot products.
+  int4 needs input sizes divisible by 64 and a group size that is a multiple of 32.
+- `torch`: torch's packed CPU kernels on bf16 activations (an fp32 model keeps fp32
+  everywhere else): int8 `torch._weight_int8pack_mm` (bf16 scales); int4
+  `torch._weight_int4pack_mm_for_cpu` (codes packed by `_convert_weight_to_int4pack_for_cpu`;
+  per group a bf16 scale and a bf16 zero, the value at code 8: w = (code - 8) x scale +
+  zero, so zero = 8 x scale - shift), which takes groups of 32, 64, 128 or 256 input
+  channels (quanto's own CPU fast path only groups of 128, which SmolLM2's 576 inputs do
+  not divide) and output sizes divisible by 16. These are fast where the CPU has bf16
+  arithmetic (AVX-512 BF16, AMX); without it they convert in software.
+- `auto` (default): `native` where it serves, else `torch`.
+Products of more than `QuantProj.MAX_KERNEL_ROWS` rows (a prefill) dequantize the weight
+and multiply in the model's dtype (native: in blocks of output rows through one reused
+buffer, so no full-size fp32 copy is made). The torch int4 path keeps its codes twice
+for that (the kernel's packed layout, and plain nibbles): 1 byte per weight.
 
-A case without a fast kernel (another device, a group size or shape the kernel does not
-take) is refused before the model is quantized, naming the fix; `allow_slow=True` runs it
-with quanto's own modules instead (which dequantize per call on a CPU).
+A case without a fast kernel (another device, a group size or shape no kernel takes) is
+refused before the model is quantized, naming the fix; `allow_slow=True` runs it with
+quanto's own modules instead (which dequantize per call on a CPU).
 """
 
 from __future__ import annotations
@@ -36,14 +43,18 @@ from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.transformer import Proj
 
 WEIGHT_TYPES = ("none", "int8", "int4")
+#: what computes quantized projections (`weight_kernel` option)
+KERNELS = ("auto", "native", "torch")
 #: the group sizes torch's int4 CPU kernel takes
 INT4_GROUPS = (32, 64, 128, 256)
 
 
 def weight_option_problems(weights: str = "none", group_size=None, quantize_head=False, allow_slow=False,
-                           key: str = "model") -> list[str]:
+                           key: str = "model", kernel: str = "auto") -> list[str]:
     """Every problem of the weight options alone (before any model is known)."""
     p = [] if weights in WEIGHT_TYPES else [f"{key}.weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
+    if kernel not in KERNELS:
+        p.append(f"{key}.weight_kernel must be one of {list(KERNELS)}, got {kernel!r}")
     if group_size is not None:
         if weights != "int4":
             p.append(f"{key}.weight_group_size applies to int4 weights (int8 has one scale per output channel); "
@@ -72,12 +83,26 @@ def default_group(sizes: list[int]) -> int | None:
     return next((g for g in (128, 64, 32) if all(n % g == 0 for n in sizes)), None)
 
 
-def weight_kernel(weights: str, n_in: int, n_out: int, group_size: int | None, device) -> tuple[str | None, str]:
-    """(the fast kernel that computes this projection, or None; why not, when None)."""
+def weight_kernel(weights: str, n_in: int, n_out: int, group_size: int | None, device,
+                  kernel: str = "auto") -> tuple[str | None, str]:
+    """(the fast kernel that computes this projection under the `kernel` option, or None;
+    why not, when None)."""
     dev = torch.device(device).type
     if dev != "cpu":
-        return None, (f"no fast {weights} kernel is wired for {dev} here (this build dispatches torch's packed CPU "
-                      "kernels only)")
+        return None, (f"no fast {weights} kernel is wired for {dev} here (this build dispatches CPU kernels only: "
+                      "decodelab's native ones and torch's packed ones)")
+    if kernel in ("auto", "native"):
+        from decodelab.models import native
+
+        why = native.problem() or native.shape_problem(weights, n_in, group_size)
+        if why is None:
+            return f"native-{weights}", ""
+        if kernel == "native":
+            return None, why + "; use weight_kernel=auto (native where it serves, else torch's) or torch"
+    return _torch_kernel(weights, n_in, n_out, group_size)
+
+
+def _torch_kernel(weights: str, n_in: int, n_out: int, group_size: int | None) -> tuple[str | None, str]:
     if weights == "int8":
         ok = hasattr(torch, "_weight_int8pack_mm")
         return ("_weight_int8pack_mm", "") if ok else (None, "this torch has no _weight_int8pack_mm")
@@ -93,11 +118,11 @@ def weight_kernel(weights: str, n_in: int, n_out: int, group_size: int | None, d
 
 
 def weight_problems(cfg, weights: str = "none", group_size=None, quantize_head=False, allow_slow=False, device="cpu",
-                    key: str = "model") -> list[str]:
+                    key: str = "model", kernel: str = "auto") -> list[str]:
     """Every reason these weight options cannot quantize a model of `cfg` on `device`
     with fast kernels (checked before the model is quantized, and before its weights
     load where the config is known first)."""
-    p = weight_option_problems(weights, group_size, quantize_head, allow_slow, key)
+    p = weight_option_problems(weights, group_size, quantize_head, allow_slow, key, kernel)
     if p or weights == "none":
         return p
     shapes = projections(cfg, quantize_head)
@@ -115,19 +140,21 @@ def weight_problems(cfg, weights: str = "none", group_size=None, quantize_head=F
             p.append(f"{key}.weight_group_size={g} does not divide the input size {n_in} of the {name} projection; "
                      f"use one of {ok or 'none'}" + (" (or leave it null: the largest that divides)" if ok else ""))
             continue
-        kernel, why = weight_kernel(weights, n_in, n_out, g, device)
-        if kernel is None and not allow_slow:
-            p.append(f"{weights} weights of the {name} projection ({n_in} -> {n_out}) have no fast kernel: {why}; "
-                     f"set {key}.allow_slow=true to run quanto's slower path anyway")
+        found, why = weight_kernel(weights, n_in, n_out, g, device, kernel)
+        if found is None and not allow_slow:
+            p.append(f"{weights} weights of the {name} projection ({n_in} -> {n_out}) have no fast kernel "
+                     f"({key}.weight_kernel={kernel}): {why}; set {key}.allow_slow=true to run quanto's slower "
+                     "path anyway")
     return p
 
 
 class QuantProj(nn.Module):
     """A projection y = x @ W (+ b) whose W is held as quanto's int8 or int4 codes and
-    computed by torch's packed CPU kernel (`weight_kernel`) on bf16 activations."""
+    computed by a fast kernel (`weight_kernel`): decodelab's native one or torch's packed
+    one (bf16 activations)."""
 
     def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, weights: str,
-                 group_size: int | None = None):
+                 group_size: int | None = None, kernel: str = "auto"):
         super().__init__()
         from optimum.quanto import MaxOptimizer, absmax_scale, qint4, qint8, ungroup
         from optimum.quanto.tensor.weights import WeightQBitsTensor, WeightQBytesTensor
@@ -135,38 +162,55 @@ class QuantProj(nn.Module):
         w = weight_in_out.detach().t().float().contiguous()  # [out, in], quantized in float32
         self.n_in, self.n_out = w.shape[1], w.shape[0]
         self.weights, self.group_size = weights, group_size
-        self.kernel, why = weight_kernel(weights, self.n_in, self.n_out, group_size, w.device)
+        self.kernel, why = weight_kernel(weights, self.n_in, self.n_out, group_size, w.device, kernel)
         if self.kernel is None:
             raise SetupError(f"{weights} weights ({self.n_in} -> {self.n_out}): no fast kernel: {why}")
+        native = self.kernel.startswith("native")
         if weights == "int8":
             t = WeightQBytesTensor.quantize(w, qint8, 0, absmax_scale(w, qint8, axis=0))
             self.register_buffer("codes", t._data.contiguous())  # [out, in] int8
-            self.register_buffer("scales", t._scale.reshape(-1).to(torch.bfloat16))  # [out]
+            scale = t._scale.reshape(-1).float()
+            self.register_buffer("scales", scale.contiguous() if native else scale.to(torch.bfloat16))  # [out]
         else:
             g = group_size
             scale, shift = MaxOptimizer()(w, qtype=qint4, axis=0, group_size=g)  # [out * in / g, 1] each
             t = WeightQBitsTensor.quantize(w, qint4, 0, g, scale, shift)
             codes = ungroup(t._data.unpack(), axis=0, orig_shape=w.shape).to(torch.int32)  # [out, in] in [0, 15]
-            scale = scale.reshape(self.n_out, self.n_in // g, 1)
-            zero = 8 * scale - shift.reshape(self.n_out, self.n_in // g, 1)  # the value at code 8
-            self.register_buffer("codes", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
-            self.register_buffer("scale_zeros", torch.cat([scale, zero], 2).transpose(0, 1).contiguous()
-                                 .to(torch.bfloat16))  # [in / g, out, 2]
-            # the same codes as plain nibbles [out, in / 2] (even input channel low), for the
-            # multi-row products that dequantize (the kernel's packed layout is opaque)
-            self.register_buffer("nibbles", (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8))
+            if native:  # w = code x scale + shifts, fp32 as quanto made them
+                from decodelab.models.native import pack_int4
+
+                self.register_buffer("codes", pack_int4(codes))  # [out, in / 2]
+                self.register_buffer("scales", scale.reshape(self.n_out, -1).float().contiguous())  # [out, in / g]
+                self.register_buffer("shifts", (-shift).reshape(self.n_out, -1).float().contiguous())
+            else:
+                scale = scale.reshape(self.n_out, self.n_in // g, 1)
+                zero = 8 * scale - shift.reshape(self.n_out, self.n_in // g, 1)  # the value at code 8
+                self.register_buffer("codes", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
+                self.register_buffer("scale_zeros", torch.cat([scale, zero], 2).transpose(0, 1).contiguous()
+                                     .to(torch.bfloat16))  # [in / g, out, 2]
+                # the same codes as plain nibbles [out, in / 2] (even input channel low), for the
+                # multi-row products that dequantize (the kernel's packed layout is opaque)
+                self.register_buffer("nibbles", (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     #: products of more rows than this (a prefill) dequantize the weight and multiply in the
-    #: activations' dtype instead: the packed kernels' cost grows with the rows on a CPU
-    #: without bf16 arithmetic (576 x 3072 on 2 AVX2 cores: equal to fp32 at 16 rows, 2-3x
-    #: its cost at 256), while dequantizing costs about one 16-row product
+    #: activations' dtype instead: the kernels' cost grows with the rows (torch's packed ones
+    #: on a CPU without bf16 arithmetic: 576 x 3072 on 2 AVX2 cores equal to fp32 at 16
+    #: rows, 2-3x its cost at 256), while dequantizing costs about one 16-row product
     MAX_KERNEL_ROWS = 16
+    #: the native path dequantizes many-row products in blocks of output rows of at most
+    #: this many weights (fp32: 2 MiB, cache-sized: measured fastest on 2 AVX2 cores), through one
+    #: buffer shared by all projections
+    DEQUANT_BLOCK = 1 << 19
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in)
         if x2.shape[0] > self.MAX_KERNEL_ROWS:
-            y = x2 @ self.dequantized(x.dtype)
+            y = self._dequantized_product(x2)
+        elif self.kernel == "native-int8":
+            y = torch.ops.decodelab.int8_mm(x2, self.codes, self.scales)
+        elif self.kernel == "native-int4":
+            y = torch.ops.decodelab.int4_mm(x2, self.codes, self.scales, self.shifts, self.group_size)
         elif self.weights == "int8":
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.codes, self.scales)
         else:
@@ -175,9 +219,33 @@ class QuantProj(nn.Module):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.n_out)
         return y if self.bias is None else y + self.bias
 
+    def _dequantized_product(self, x2: torch.Tensor) -> torch.Tensor:
+        if not self.kernel.startswith("native"):
+            return x2 @ self.dequantized(x2.dtype)
+        from decodelab.models.native import dequantize_rows
+
+        xf = x2.float()
+        rows = max(1, min(self.n_out, self.DEQUANT_BLOCK // self.n_in))
+        buf = _scratch(rows * self.n_in)
+        args = (self.codes, self.scales, getattr(self, "shifts", None), self.group_size)
+        if rows == self.n_out:
+            return xf @ dequantize_rows(self.weights, 0, rows, buf, *args).t()
+        y = torch.empty(xf.shape[0], self.n_out, dtype=torch.float32)
+        for o0 in range(0, self.n_out, rows):
+            n = min(rows, self.n_out - o0)
+            y[:, o0:o0 + n] = xf @ dequantize_rows(self.weights, o0, n, buf, *args).t()
+        return y
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [in, out] (a transposed view) this projection computes with: the codes
-        times the bf16 scales, plus the bf16 zeros (int4), in `dtype`."""
+        times the scales, plus the shifts (int4; torch's path: bf16 scales and zeros), in `dtype`."""
+        if self.kernel.startswith("native"):
+            from decodelab.models.native import dequantize_rows
+
+            out = torch.empty(self.n_out, self.n_in, dtype=torch.float32)
+            w = dequantize_rows(self.weights, 0, self.n_out, out, self.codes, self.scales,
+                                getattr(self, "shifts", None), self.group_size)
+            return w.to(dtype).t()
         if self.weights == "int8":
             return (self.codes.to(dtype) * self.scales.to(dtype)[:, None]).t()
         n = self.nibbles
@@ -191,6 +259,16 @@ class QuantProj(nn.Module):
         return f"{self.n_in} -> {self.n_out}, {self.weights}{g}, kernel={self.kernel}"
 
 
+_SCRATCH: list[torch.Tensor] = []
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """A reused fp32 buffer of at least n floats (the native path's dequantized blocks)."""
+    if not _SCRATCH or _SCRATCH[0].numel() < n:
+        _SCRATCH[:] = [torch.empty(n, dtype=torch.float32)]
+    return _SCRATCH[0]
+
+
 def _as_linear(p: Proj) -> nn.Linear:
     n_in, n_out = p.weight.shape
     lin = nn.Linear(n_in, n_out, bias=p.bias is not None, device=p.weight.device, dtype=p.weight.dtype)
@@ -202,20 +280,21 @@ def _as_linear(p: Proj) -> nn.Linear:
 
 
 def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size: int | None = None,
-                     quantize_head: bool = False, allow_slow: bool = False):
+                     quantize_head: bool = False, allow_slow: bool = False, kernel: str = "auto"):
     """`model` (a copy of it, unless `copy=False`) with its projections holding `weights`
     (none | int8 | int4) computed by fast kernels (`QuantProj`); embeddings and norms stay
     in the model dtype, and so does the LM head unless `quantize_head` (a tied head gets a
     quantized copy of the embedding). int4 groups `group_size` input channels (None: the
     largest of 128, 64, 32 dividing every projection's input). A case without a fast
-    kernel is refused, or with `allow_slow` computed by quanto's own modules."""
-    raise_if(weight_option_problems(weights, group_size, quantize_head, allow_slow))
+    kernel is refused, or with `allow_slow` computed by quanto's own modules. `kernel`:
+    `KERNELS` (module docstring)."""
+    raise_if(weight_option_problems(weights, group_size, quantize_head, allow_slow, kernel=kernel))
     if weights == "none":
         return model
     if not any(isinstance(m, Proj) for m in model.modules()):
         raise SetupError("this model's projections are quantized already; quantize an unquantized model "
                          "(model.weights=none), or use another draft than a quantized self-draft")
-    raise_if(weight_problems(model.cfg, weights, group_size, quantize_head, allow_slow, model.device))
+    raise_if(weight_problems(model.cfg, weights, group_size, quantize_head, allow_slow, model.device, kernel=kernel))
     g = group_size
     if weights == "int4" and g is None:
         g = default_group([n for n, _ in projections(model.cfg, quantize_head).values()])
@@ -227,21 +306,21 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
                 if not isinstance(child, Proj):
                     continue
                 n_in, n_out = child.weight.shape
-                if weight_kernel(weights, n_in, n_out, g, child.weight.device)[0] is None:
+                if weight_kernel(weights, n_in, n_out, g, child.weight.device, kernel)[0] is None:
                     setattr(module, name, _as_linear(child))
                     slow.append(name)
                 else:
-                    setattr(module, name, QuantProj(child.weight, child.bias, weights, g))
+                    setattr(module, name, QuantProj(child.weight, child.bias, weights, g, kernel))
         if quantize_head:
             w = q.embed.weight.t() if q.lm_head is None else q.lm_head.weight  # [dim, vocab]
             b = None if q.lm_head is None else q.lm_head.bias
-            if weight_kernel(weights, *w.shape, g, w.device)[0] is None:
+            if weight_kernel(weights, *w.shape, g, w.device, kernel)[0] is None:
                 lin = nn.Linear(*w.shape, bias=b is not None, device=w.device, dtype=w.dtype)
                 lin.weight.copy_(w.t())
                 q.lm_head = lin
                 slow.append("lm_head")
             else:
-                q.lm_head = QuantProj(w, b, weights, g)
+                q.lm_head = QuantProj(w, b, weights, g, kernel)
     if slow:  # allowed explicitly (weight_problems refused it otherwise): quanto's modules
         from optimum.quanto import freeze, qint4, qint8, quantize
 
@@ -249,5 +328,6 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
         freeze(q)
     q._head_t = None
     q.weight_quantization = {"weights": weights, "group_size": g if weights == "int4" else None,
-                             "quantize_head": quantize_head, "slow": slow}
+                             "quantize_head": quantize_head, "slow": slow, "kernel": kernel,
+                             "kernels": sorted({m.kernel for m in q.modules() if isinstance(m, QuantProj)})}
     return q.eval()

@@ -178,3 +178,20 @@ def test_static_capacity_rounds_up_within_the_model():
     assert static_capacity(257, 8192) == 512
     assert static_capacity(300, 400) == 400  # never past the model's context
     assert static_capacity(450, 400) == 450  # (a request past it is refused elsewhere)
+
+
+@pytest.mark.skipif(__import__("decodelab.models.native", fromlist=["problem"]).problem() is not None,
+                    reason="native kernels unavailable here")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
+    """The native kernels are ctypes calls, which torch.compile cannot trace: inside a
+    compiled step they run as the custom ops decodelab::int8_mm / int4_mm. The inductor
+    step is one graph (a graph break is an error) and equals the eager loop token for
+    token."""
+    from decodelab.models.quantize import quantize_weights
+
+    model = quantize_weights(tiny_llama.model, weights, quantize_head=True, kernel="native")
+    assert model.weight_quantization["kernels"] == [f"native-{weights}"]
+    want = _gen(model, None, greedy(), False, n=12)
+    got = _gen(model, None, greedy(), True, n=12)
+    assert got.tokens == want.tokens and got.compile_s > 0

@@ -1,6 +1,7 @@
 """Weight-only int8/int4 on the fast kernels (models/quantize.py): quanto's codes, scales
-and shifts, computed by torch's packed CPU kernels on bf16 activations; every case
-without a fast kernel refused before the model is quantized (or before its weights load)."""
+and shifts, computed by decodelab's native kernels (models/native.py) or torch's packed
+CPU kernels on bf16 activations; every case without a fast kernel refused before the
+model is quantized (or before its weights load)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ import torch
 from decodelab.models.config import ModelConfig
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import random_model
-from decodelab.models.quantize import QuantProj, quantize_weights, weight_problems
+from decodelab.models import native
+from decodelab.models.quantize import QuantProj, quantize_weights, weight_kernel, weight_problems
 from tests.conftest import TINY, random_ids
+
+needs_native = pytest.mark.skipif(native.problem() is not None, reason=f"native kernels: {native.problem()}")
+KERNELS = [pytest.param("native", marks=needs_native), "torch"]
 
 
 @pytest.mark.parametrize("weights,group", [("int8", None), ("int4", 32), ("int4", 64)])
-def test_the_kernel_computes_quantos_quantization(weights, group):
+def test_torchs_kernel_computes_quantos_quantization(weights, group):
     from optimum.quanto import MaxOptimizer, absmax_scale, qint4, qint8
     from optimum.quanto.tensor.weights import WeightQBitsTensor, WeightQBytesTensor
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(192, 96, generator=g)  # [in, out], the Proj layout
-    p = QuantProj(w, None, weights, group)
+    p = QuantProj(w, None, weights, group, kernel="torch")
     wt = w.t().contiguous()  # [out, in]
     if weights == "int8":
         ref = WeightQBytesTensor.quantize(wt, qint8, 0, absmax_scale(wt, qint8, axis=0)).dequantize().t()
@@ -47,17 +52,122 @@ def test_the_kernel_computes_quantos_quantization(weights, group):
     torch.testing.assert_close(via, deq, rtol=2 ** -7, atol=float(deq.abs().max()) * 2 ** -8)
 
 
+def _quanto_reference(w: torch.Tensor, weights: str, group):
+    """quanto's own dequantized weight [in, out] of w [in, out]."""
+    from optimum.quanto import MaxOptimizer, absmax_scale, qint4, qint8
+    from optimum.quanto.tensor.weights import WeightQBitsTensor, WeightQBytesTensor
+
+    wt = w.t().contiguous()
+    if weights == "int8":
+        return WeightQBytesTensor.quantize(wt, qint8, 0, absmax_scale(wt, qint8, axis=0)).dequantize().t()
+    scale, shift = MaxOptimizer()(wt, qtype=qint4, axis=0, group_size=group)
+    return WeightQBitsTensor.quantize(wt, qint4, 0, group, scale, shift).dequantize().t()
+
+
+def _q8_product(x: torch.Tensor, p: QuantProj) -> torch.Tensor:
+    """The native int4 product written out in float64: x quantized to int8 per 32 input
+    channels (absmax / 127, round half to even), integer dot products with the codes per
+    block, scaled; the shifts against the exact sums of x per group."""
+    M, K = x.shape
+    blocks = x.view(M, K // 32, 32)
+    mx = blocks.abs().amax(-1, keepdim=True)
+    xq = torch.round(blocks * torch.where(mx > 0, 127.0 / mx, torch.zeros_like(mx)))  # float32, as the kernel
+    d = (mx / 127.0).double()
+    codes = native.unpack_int4(p.codes).double().view(p.n_out, K // 32, 32)  # [N, B, 32]
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), codes)  # exact integers
+    per_block_scale = p.scales.double().repeat_interleave(p.group_size // 32, 1)  # [N, B]
+    y = (dots * d[:, None, :, 0] * per_block_scale[None]).sum(-1)
+    xs = x.double().view(M, K // p.group_size, p.group_size).sum(-1)  # [M, G]
+    return y + xs @ p.shifts.double().t()
+
+
+@needs_native
+@pytest.mark.parametrize("weights,group,n_out", [("int8", None, 97), ("int8", None, 96), ("int4", 32, 97),
+                                                 ("int4", 64, 96), ("int4", 192, 5)])
+def test_the_native_kernel_computes_quantos_quantization(weights, group, n_out):
+    """int8: quanto's dequantized weight against fp32 activations; int4: quanto's codes,
+    scales and shifts against activations quantized to int8 per 32 channels, equal to that
+    computation written out in float64. Output sizes that fill no whole block of 4 rows,
+    every row count 1-7 (each row's result bit-identical to computing it alone), and the
+    many-row path (a prefill) through the dequantized weight."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(192, n_out, generator=g)  # [in, out], the Proj layout
+    p = QuantProj(w, None, weights, group, kernel="native")
+    assert p.kernel == f"native-{weights}"
+    ref = _quanto_reference(w, weights, group)
+    deq = p.dequantized()
+    # quanto's codes with its fp32 scales (and shifts): its own dequantized weight
+    torch.testing.assert_close(deq, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    assert (ref - w).abs().max() > 1e-3  # quantized for real
+    x = torch.randn(7, 192, generator=g)
+    got = p(x)
+    assert got.dtype == torch.float32 and got.shape == (7, n_out)
+    want = (x.double() @ deq.double()) if weights == "int8" else _q8_product(x, p)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    if weights == "int4":  # the activation codes cost accuracy, but little
+        exact = x @ deq
+        assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+    for m in range(1, 8):
+        assert torch.equal(p(x[:m]), got[:m])
+    assert torch.equal(p(x[3:4]), got[3:4])
+    many = torch.randn(QuantProj.MAX_KERNEL_ROWS + 1, 192, generator=g)
+    torch.testing.assert_close(p(many), many @ deq, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_the_native_many_row_path_dequantizes_in_blocks(monkeypatch):
+    """A weight larger than one dequantization block (the LM head) is multiplied block by
+    block of output rows through the shared buffer, equal to the whole weight's product."""
+    g = torch.Generator().manual_seed(1)
+    for weights, group in (("int8", None), ("int4", 64)):
+        p = QuantProj(torch.randn(128, 80, generator=g), None, weights, group, kernel="native")
+        x = torch.randn(QuantProj.MAX_KERNEL_ROWS + 3, 128, generator=g)
+        want = x @ p.dequantized()
+        monkeypatch.setattr(QuantProj, "DEQUANT_BLOCK", 128 * 24)  # 24 rows a block: 4 blocks, the last of 8
+        torch.testing.assert_close(p(x), want, rtol=1e-5, atol=1e-5)
+        monkeypatch.undo()
+
+
+def test_native_refusals_name_the_problem_and_the_fix(monkeypatch):
+    """A shape the native int4 kernel does not take: `native` refuses naming it, `auto`
+    takes torch's kernel. A machine where the native kernels cannot be built (no compiler,
+    no AVX2): `native` is refused before quantizing, `auto` falls back, declared."""
+    if native.problem() is None:
+        kernel, why = weight_kernel("int4", 96, 64, 32, "cpu", "native")
+        assert kernel is None and "divisible by 64, not 96" in why and "weight_kernel=auto" in why
+        assert weight_kernel("int4", 96, 64, 32, "cpu", "auto")[0] == "_weight_int4pack_mm_for_cpu"
+        assert weight_kernel("int8", 96, 64, None, "cpu", "auto")[0] == "native-int8"
+    cfg = ModelConfig.from_dict({**TINY["llama"], "rope": {"theta": 10000.0}})
+    assert any("weight_kernel must be one of ['auto', 'native', 'torch']" in x
+               for x in weight_problems(cfg, "int8", kernel="fast"))
+    monkeypatch.setattr(native, "_checked", True)
+    monkeypatch.setattr(native, "_problem", "decodelab's native kernels are built with a C compiler on first use, "
+                                            "and none was found (install gcc)")
+    p = weight_problems(cfg, "int8", kernel="native")
+    assert p and all("none was found (install gcc)" in x and "weight_kernel=auto" in x for x in p)
+    full = random_model(TINY["llama"], device="cpu").model
+    with pytest.raises(SetupError, match="install gcc"):
+        quantize_weights(full, "int8", kernel="native")
+    with pytest.raises(SetupError, match="install gcc"):
+        random_model(TINY["llama"], device="cpu", weights="int8", weight_kernel="native")
+    q = quantize_weights(full, "int4", kernel="auto")
+    assert q.weight_quantization["kernels"] == ["_weight_int4pack_mm_for_cpu"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("head", [False, True])
-def test_a_quantized_model_runs_on_the_kernels_and_stays_close(weights, head):
+def test_a_quantized_model_runs_on_the_kernels_and_stays_close(weights, head, kernel):
     ids = torch.tensor([random_ids(24)])
     pos = torch.arange(24)[None]
     from tests.conftest import cache_for
 
     full = random_model(TINY["llama"], device="cpu").model
-    q = quantize_weights(full, weights, quantize_head=head)
+    q = quantize_weights(full, weights, quantize_head=head, kernel=kernel)
     kernels = {m.kernel for m in q.modules() if isinstance(m, QuantProj)}
-    assert kernels == {"_weight_int8pack_mm" if weights == "int8" else "_weight_int4pack_mm_for_cpu"}
+    torch_kernel = "_weight_int8pack_mm" if weights == "int8" else "_weight_int4pack_mm_for_cpu"
+    assert kernels == {f"native-{weights}" if kernel == "native" else torch_kernel}
+    assert q.weight_quantization["kernels"] == sorted(kernels) and q.weight_quantization["kernel"] == kernel
     assert isinstance(q.lm_head, QuantProj) == head and full.lm_head is None  # the fp32 target is untouched
     assert q.weight_quantization["group_size"] == (64 if weights == "int4" else None)  # tiny: inputs 64 and 128
     with torch.no_grad():
@@ -91,6 +201,7 @@ def test_cases_without_a_fast_kernel_are_refused_before_quantizing():
     assert any("takes groups of [32, 64, 128, 256]" in x and "allow_slow=true" in x
                for x in weight_problems(cfg, "int4", group_size=16))
     assert weight_problems(cfg, "int4", group_size=16, allow_slow=True) == []
+    assert any("takes groups of" in x for x in weight_problems(cfg, "int4", group_size=16, kernel="torch"))
     # another device: no fast kernel wired
     assert any("no fast int8 kernel is wired for cuda" in x for x in weight_problems(cfg, "int8", device="cuda"))
     # options that make no sense

@@ -1,0 +1,433 @@
+"""decodelab's own CPU kernels for weight-only int8 / int4 projections (x86 with AVX2 and
+FMA), built from the C source below (and a C++ shim that registers them as torch
+operators, `torch.ops.decodelab.*`) with the system compilers on first use.
+
+Why: torch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
+are fast only where the CPU has bf16 arithmetic (AVX-512 BF16 / AMX). On a CPU without it
+(AMD Zen 1-3, AVX2 Xeons) they convert bf16 in software, and int4 ran no faster than our
+own int8 here. These kernels stream the codes once per product and compute:
+- int8 (`int8_mm`): y = x @ (codes x scale)^T with fp32 activations and fp32 scales, so it
+  is quanto's dequantized weight exactly (float summation order aside);
+- int4 (`int4_mm`): the codes (0..15, w = code x scale + shift per group of input
+  channels) against activations quantized to int8 per 32 input channels (absmax / 127,
+  round to nearest even), as llama.cpp's Q8 activations: integer dot products per block
+  (`vpmaddubsw`), scaled in fp32; the shifts meet the exact fp32 sums of x per group;
+- dequantization of either to fp32 (`int8_dequant`, `int4_dequant`), for products of many
+  rows (a prefill), which then multiply in fp32.
+
+Rows (the product's M) are independent: a row's result does not depend on how many rows
+share the call. Threads: OpenMP, linked against the libgomp torch itself loaded (one pool,
+`torch.set_num_threads` sets both). As torch operators they cost one dispatcher call from
+eager code and run inside a torch.compile graph as opaque calls (fake impls give their
+shapes). The library is built once per source, torch and compiler into
+`$DECODELAB_CACHE/kernels/` (default ~/.cache/decodelab/kernels; about a minute on 2
+cores, most of it torch's headers). `problem()` says why the kernels cannot serve here
+(None when they can); nothing in this module builds anything until it is called.
+
+int4 codes are stored per block of 32 input channels as 16 bytes, byte j holding channel
+j in its low nibble and channel j + 16 in its high one (`pack_int4`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+#define CVT8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+
+/* y[M, N] = x[M, K] @ (w[N, K] * scale[N])^T; K % 8 == 0. Four output rows at a time,
+   two activation rows at a time; the next four rows are prefetched while these run. */
+void dl_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N) {
+    int64_t nb = (N + 3) / 4;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t o0 = b * 4, R = N - o0 < 4 ? N - o0 : 4;
+        const int8_t* w0 = w + o0 * K;
+        const int8_t* w1 = w0 + (R > 1 ? K : 0);
+        const int8_t* w2 = w0 + (R > 2 ? 2 * K : 0);
+        const int8_t* w3 = w0 + (R > 3 ? 3 * K : 0);
+        const char* next = (const char*)(w0 + 4 * K);
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            const float* xa = x + m * K;
+            const float* xb = xa + K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t k = 0; k < K; k += 8) {
+                if (m == 0 && (k & 15) == 0) _mm_prefetch(next + 4 * k, _MM_HINT_T0);
+                __m256 xva = _mm256_loadu_ps(xa + k), xvb = _mm256_loadu_ps(xb + k);
+                __m256 v0 = CVT8(w0 + k), v1 = CVT8(w1 + k), v2 = CVT8(w2 + k), v3 = CVT8(w3 + k);
+                a0 = _mm256_fmadd_ps(v0, xva, a0); b0 = _mm256_fmadd_ps(v0, xvb, b0);
+                a1 = _mm256_fmadd_ps(v1, xva, a1); b1 = _mm256_fmadd_ps(v1, xvb, b1);
+                a2 = _mm256_fmadd_ps(v2, xva, a2); b2 = _mm256_fmadd_ps(v2, xvb, b2);
+                a3 = _mm256_fmadd_ps(v3, xva, a3); b3 = _mm256_fmadd_ps(v3, xvb, b3);
+            }
+            float ra[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+            float rb[4] = {hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
+            for (int64_t r = 0; r < R; r++) {
+                y[m * N + o0 + r] = ra[r] * scale[o0 + r];
+                y[(m + 1) * N + o0 + r] = rb[r] * scale[o0 + r];
+            }
+        }
+        for (; m < M; m++) {
+            const float* xa = x + m * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t k = 0; k < K; k += 8) {
+                if (m == 0 && (k & 15) == 0) _mm_prefetch(next + 4 * k, _MM_HINT_T0);
+                __m256 xva = _mm256_loadu_ps(xa + k);
+                a0 = _mm256_fmadd_ps(CVT8(w0 + k), xva, a0);
+                a1 = _mm256_fmadd_ps(CVT8(w1 + k), xva, a1);
+                a2 = _mm256_fmadd_ps(CVT8(w2 + k), xva, a2);
+                a3 = _mm256_fmadd_ps(CVT8(w3 + k), xva, a3);
+            }
+            float ra[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+            for (int64_t r = 0; r < R; r++) y[m * N + o0 + r] = ra[r] * scale[o0 + r];
+        }
+    }
+}
+
+/* One int4 output row against MC (1..4) activation rows, two 32-channel blocks per step. */
+static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const float* dx, const float* xs,
+        int64_t m0, const int MC, int64_t K, const uint8_t* wr, const float* sc, const float* sh, int64_t G,
+        int64_t bpg, float* y, int64_t N, int64_t o) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t B = K / 32;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc2[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const float* scp = sc;
+    int64_t left = bpg;
+    for (int64_t b = 0; b < B; b += 2) {
+        float s = *scp;
+        if (--left == 0) { scp++; left = bpg; }
+        float s2 = *scp;
+        if (--left == 0) { scp++; left = bpg; }
+        __m128i v = _mm_loadu_si128((const __m128i*)(wr + b * 16));
+        __m128i v2 = _mm_loadu_si128((const __m128i*)(wr + b * 16 + 16));
+        __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+        __m256i c2 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v2, 4), mask), _mm_and_si128(v2, mask));
+        for (int i = 0; i < MC; i++) {
+            const int8_t* xr = xq + (m0 + i) * K + b * 32;
+            const float* dr = dx + (m0 + i) * B + b;
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i*)xr)), ones);
+            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(c2, _mm256_loadu_si256((const __m256i*)(xr + 32))),
+                                           ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * dr[0]), acc[i]);
+            acc2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(s2 * dr[1]), acc2[i]);
+        }
+    }
+    for (int i = 0; i < MC; i++) {
+        float r = hsum(_mm256_add_ps(acc[i], acc2[i]));
+        const float* xr = xs + (m0 + i) * G;
+        for (int64_t j = 0; j < G; j++) r += sh[j] * xr[j];
+        y[(m0 + i) * N + o] = r;
+    }
+}
+
+/* y[M, N] = x[M, K] @ W^T, W[o, k] = code * scale[o, k / g] + shift[o, k / g]; x quantized to
+   int8 per 32 channels here. K % 64 == 0, g % 32 == 0, K % g == 0. Returns 0, or -1 when
+   out of memory. */
+int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const float* scale, const float* shift,
+               int64_t g, float* y, int64_t N) {
+    int64_t G = K / g, B = K / 32, bpg = g / 32;
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
+    float* dx = (float*)malloc(sizeof(float) * (size_t)(M * B));
+    float* xs = (float*)malloc(sizeof(float) * (size_t)(M * G));
+    if (!xq || !dx || !xs) { free(xq); free(dx); free(xs); return -1; }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < B; b++) {
+            const float* p = x + m * K + b * 32;
+            float mx = 0.f;
+            for (int i = 0; i < 32; i++) { float a = p[i] < 0 ? -p[i] : p[i]; if (a > mx) mx = a; }
+            float id = mx > 0.f ? 127.f / mx : 0.f;
+            dx[m * B + b] = mx / 127.f;
+            for (int i = 0; i < 32; i++) xq[m * K + b * 32 + i] = (int8_t)__builtin_lrintf(p[i] * id);
+        }
+        for (int64_t j = 0; j < G; j++) {
+            float s = 0.f;
+            for (int64_t k = 0; k < g; k++) s += x[m * K + j * g + k];
+            xs[m * G + j] = s;
+        }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < N; o++) {
+        const uint8_t* wr = nib + o * (K / 2);
+        const float* sc = scale + o * G;
+        const float* sh = shift + o * G;
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4) q4_row(xq, dx, xs, m0, 4, K, wr, sc, sh, G, bpg, y, N, o);
+        switch (M - m0) {
+            case 1: q4_row(xq, dx, xs, m0, 1, K, wr, sc, sh, G, bpg, y, N, o); break;
+            case 2: q4_row(xq, dx, xs, m0, 2, K, wr, sc, sh, G, bpg, y, N, o); break;
+            case 3: q4_row(xq, dx, xs, m0, 3, K, wr, sc, sh, G, bpg, y, N, o); break;
+        }
+    }
+    free(xq); free(dx); free(xs);
+    return 0;
+}
+
+/* out[n, K] (fp32) = rows o0 .. o0 + n of the int8 weight */
+void dl_int8_dequant(const int8_t* w, const float* scale, int64_t K, int64_t o0, int64_t n, float* out) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t* wr = w + (o0 + r) * K;
+        __m256 s = _mm256_set1_ps(scale[o0 + r]);
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(out + r * K + k, _mm256_mul_ps(CVT8(wr + k), s));
+    }
+}
+
+/* out[n, K] (fp32) = rows o0 .. o0 + n of the int4 weight: code * scale + shift */
+void dl_int4_dequant(const uint8_t* nib, const float* scale, const float* shift, int64_t g, int64_t K, int64_t o0,
+                     int64_t n, float* out) {
+    int64_t G = K / g;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        int64_t o = o0 + r;
+        const uint8_t* wr = nib + o * (K / 2);
+        float* orow = out + r * K;
+        for (int64_t b = 0; b < K / 32; b++) {
+            int64_t j = b * 32 / g;
+            __m256 s = _mm256_set1_ps(scale[o * G + j]), t = _mm256_set1_ps(shift[o * G + j]);
+            __m128i v = _mm_loadu_si128((const __m128i*)(wr + b * 16));
+            __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int q = 0; q < 4; q++) {
+                __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
+                _mm256_storeu_ps(orow + b * 32 + q * 8, _mm256_fmadd_ps(c, s, t));
+            }
+        }
+    }
+}
+"""
+
+SHIM = r"""
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+extern "C" {
+void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, float*, int64_t);
+int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
+void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
+void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+}
+
+static at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "decodelab native kernel: x must be [M, ", k, "], got ", x.sizes());
+    return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+    auto xc = rows_f32(x, codes.size(1));
+    auto y = at::empty({xc.size(0), codes.size(0)}, xc.options());
+    dl_int8_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+               y.data_ptr<float>(), codes.size(0));
+    return y;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts,
+                   int64_t g) {
+    auto xc = rows_f32(x, nib.size(1) * 2);
+    auto y = at::empty({xc.size(0), nib.size(0)}, xc.options());
+    int rc = dl_int4_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), nib.data_ptr<uint8_t>(),
+                        scales.data_ptr<float>(), shifts.data_ptr<float>(), g, y.data_ptr<float>(), nib.size(0));
+    TORCH_CHECK(rc == 0, "decodelab native int4 kernel: out of memory for the activation codes");
+    return y;
+}
+
+void int8_dequant(const at::Tensor& codes, const at::Tensor& scales, int64_t o0, int64_t n, at::Tensor& out) {
+    dl_int8_dequant(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), codes.size(1), o0, n, out.data_ptr<float>());
+}
+
+void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts, int64_t g, int64_t o0,
+                  int64_t n, at::Tensor& out) {
+    dl_int4_dequant(nib.data_ptr<uint8_t>(), scales.data_ptr<float>(), shifts.data_ptr<float>(), g, nib.size(1) * 2,
+                    o0, n, out.data_ptr<float>());
+}
+
+TORCH_LIBRARY(decodelab, m) {
+    m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+    m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
+    m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
+    m.def("int4_dequant(Tensor nib, Tensor scales, Tensor shifts, int group_size, int o0, int n, "
+          "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
+    m.impl("int8_mm", &int8_mm);
+    m.impl("int4_mm", &int4_mm);
+    m.impl("int8_dequant", &int8_dequant);
+    m.impl("int4_dequant", &int4_dequant);
+}
+"""
+
+_C_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
+_problem: str | None = None
+_checked = False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build_dir() -> Path:
+    from decodelab.models.loading import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _build_commands(cc: str, cxx: str, tmp: Path) -> list[list[str]]:
+    """Compile the C kernels and the C++ operator shim, link them against the torch that
+    runs here (its libgomp first: one OpenMP pool)."""
+    from torch.utils.cpp_extension import include_paths
+
+    lib = Path(torch.__file__).parent / "lib"
+    gomp = [str(lib / "libgomp.so.1")] if (lib / "libgomp.so.1").is_file() else ["-fopenmp"]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [[cc, *_C_FLAGS, "-c", str(tmp / "kernels.c"), "-o", str(tmp / "kernels.o")],
+            [cxx, "-O2", "-std=c++17", "-fPIC", "-shared", abi, *[f"-I{p}" for p in include_paths()],
+             str(tmp / "shim.cpp"), str(tmp / "kernels.o"), "-o", str(tmp / "lib.so"), f"-L{lib}", "-lc10",
+             "-ltorch_cpu", "-ltorch", *gomp, f"-Wl,-rpath,{lib}"]]
+
+
+def _build() -> None:
+    global _problem, _checked
+    _checked = True
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        _problem = f"decodelab's native kernels are x86 (AVX2) code; this machine is {os.uname().machine}"
+        return
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        _problem = f"decodelab's native kernels need AVX2 and FMA; this CPU lacks {sorted(missing)}"
+        return
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cc is None or cxx is None:
+        _problem = ("decodelab's native kernels are built with a C and a C++ compiler on first use, and "
+                    f"{'none' if cc is None and cxx is None else 'no C++ compiler' if cc else 'no C compiler'} "
+                    "was found (install gcc and g++)")
+        return
+    cmds = _build_commands(cc, cxx, Path("TMP"))
+    key = hashlib.sha256("\n".join([SOURCE, SHIM, torch.__version__, *map(" ".join, cmds)]).encode()).hexdigest()[:16]
+    out = _build_dir() / key / "libdecodelab_kernels.so"
+    if not out.is_file():
+        print(f"decodelab: building the native int8/int4 kernels into {out.parent} (once; about a minute)",
+              file=sys.stderr, flush=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                tmp = Path(tmp)
+                (tmp / "kernels.c").write_text(SOURCE)
+                (tmp / "shim.cpp").write_text(SHIM)
+                for cmd in _build_commands(cc, cxx, tmp):
+                    r = subprocess.run(cmd, capture_output=True, text=True)
+                    if r.returncode:
+                        _problem = (f"building decodelab's native kernels failed ({cmd[0]}): "
+                                    f"{r.stderr.strip()[-600:]}")
+                        return
+                os.replace(tmp / "lib.so", out)  # atomic: a concurrent build writes the same bytes
+        except OSError as e:
+            _problem = (f"cannot build decodelab's native kernels into {out.parent} ({e}); set DECODELAB_CACHE to a "
+                        "writable folder")
+            return
+    torch.ops.load_library(str(out))
+    torch.library.register_fake("decodelab::int8_mm")(
+        lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
+    torch.library.register_fake("decodelab::int4_mm")(
+        lambda x, nib, scales, shifts, group_size: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
+
+
+def problem() -> str | None:
+    """Why the native kernels cannot serve on this machine (None: they can; built the
+    first time on this machine, and loaded as torch operators by this call)."""
+    if not _checked:
+        _build()
+    return _problem
+
+
+def _ops():
+    p = problem()
+    if p:
+        raise RuntimeError(p)
+    return torch.ops.decodelab
+
+
+def shape_problem(weights: str, n_in: int, group_size: int | None) -> str | None:
+    """Why the native kernel cannot take a projection of `n_in` inputs (None: it can)."""
+    if weights == "int8":
+        return None if n_in % 8 == 0 else f"the native int8 kernel needs an input size divisible by 8, not {n_in}"
+    if n_in % 64:
+        return f"the native int4 kernel needs an input size divisible by 64, not {n_in}"
+    if group_size is None or group_size % 32 or n_in % group_size:
+        return (f"the native int4 kernel needs a group size that is a multiple of 32 and divides the input size "
+                f"{n_in}, not {group_size}")
+    return None
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [out, in] (0..15) -> [out, in / 2] uint8 in the native layout: per block of 32
+    input channels, byte j = channel j | channel j + 16 << 4."""
+    n_out, n_in = codes.shape
+    c = codes.to(torch.uint8).reshape(n_out, n_in // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n_out, n_in // 2).contiguous()
+
+
+def unpack_int4(nib: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: [out, in] codes (uint8)."""
+    n_out = nib.shape[0]
+    b = nib.reshape(n_out, -1, 16)
+    return torch.stack([b & 15, b >> 4], 2).reshape(n_out, -1)
+
+
+def int8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (any float dtype; computed in fp32) @ (codes [N, K] int8 x scales [N] fp32)^T
+    -> [M, N] fp32 (the operator decodelab::int8_mm)."""
+    return _ops().int8_mm(x, codes, scales)
+
+
+def int4_mm(x: torch.Tensor, nib: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor,
+            group_size: int) -> torch.Tensor:
+    """x [M, K] @ W^T with W [N, K] = code x scale + shift per group (codes `pack_int4`ed,
+    scales/shifts [N, K / group] fp32), x quantized to int8 per 32 channels -> [M, N] fp32
+    (the operator decodelab::int4_mm)."""
+    return _ops().int4_mm(x, nib, scales, shifts, group_size)
+
+
+def dequantize_rows(weights: str, o0: int, n: int, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    shifts: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
+    """Rows o0 .. o0 + n of the weight [N, K] in fp32, written into `out` (>= n x K floats,
+    contiguous); returns that [n, K] view."""
+    ops = _ops()
+    K = codes.shape[1] * (2 if weights == "int4" else 1)
+    if out.numel() < n * K or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"dequantize_rows: out must be a contiguous float32 buffer of >= {n * K} floats")
+    if weights == "int8":
+        ops.int8_dequant(codes, scales, o0, n, out)
+    else:
+        ops.int4_dequant(codes, scales, shifts, group_size, o0, n, out)
+    return out.view(-1)[: n * K].view(n, K)
