@@ -203,6 +203,23 @@ def mixed_step(cfg, lm, hf) -> list[dict]:
 
 
 @torch.no_grad()
+def weight_models(cfg, lm) -> dict:
+    """name -> our model with each of `weight_types` (int4 at `weight_group_size`; `+head`:
+    the LM head quantized too) computed by each of `weight_kernels` (models/quantize.py
+    KERNELS; the name says `@kernel` unless the list is just [auto])."""
+    from decodelab.models.quantize import quantize_weights
+
+    tag = list(cfg.weight_kernels) != ["auto"]
+    out = {}
+    for w in cfg.weight_types:
+        kind, head = w.split("+")[0], w.endswith("+head")
+        for k in cfg.weight_kernels:
+            out[f"{w}@{k}" if tag else w] = quantize_weights(
+                lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None, quantize_head=head,
+                kernel=k)
+    return out
+
+
 def weights(cfg, lm, hf) -> list[dict]:
     """Batch-1 greedy decode and TTFT of the model with each of `weight_types` (fp32 =
     none; int4 at `weight_group_size`; `+head`: the LM head quantized too), each eager
@@ -213,14 +230,9 @@ def weights(cfg, lm, hf) -> list[dict]:
     first a warm-up), medians; token agreement of each with our eager fp32 (greedy: the
     first differing token)."""
     from decodelab.decoding import generate, greedy
-    from decodelab.models.quantize import quantize_weights
     from decodelab.models.reference import hf_generate_timed
 
-    models = {"fp32": lm.model}
-    for w in cfg.weight_types:
-        kind, head = w.split("+")[0], w.endswith("+head")
-        models[w] = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
-                                     quantize_head=head)
+    models = {"fp32": lm.model, **weight_models(cfg, lm)}
     systems = {f"{name}{' compiled' if c else ''}": (model, c) for name, model in models.items()
                for c in ([False, True] if cfg.weight_compile else [False])}
     n = cfg.steps
@@ -304,17 +316,12 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
     in one forward (quanto's modules compute every row count alike); each system's time
     per prompt is recorded too."""
     from decodelab.decoding.agreement import hf_logits
-    from decodelab.models.quantize import quantize_weights
 
     tok = lm.tokenizer
     reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
                     min_reference_tokens=cfg.forced_tokens)(lm)
-    systems = {}
-    for w in cfg.weight_types:
-        kind = w.split("+")[0]
-        m = quantize_weights(lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None,
-                             quantize_head=w.endswith("+head"))
-        systems[f"ours {w}"] = lambda p, r, m=m: decode_shaped_logits(m, p, r)
+    systems = {f"ours {name}": lambda p, r, m=m: decode_shaped_logits(m, p, r)
+               for name, m in weight_models(cfg, lm).items()}
     if hf is not None:
         systems["transformers fp32"] = lambda p, r: hf_logits(hf, p, r)
         for kind in dict.fromkeys(w.split("+")[0] for w in cfg.weight_types):
@@ -416,6 +423,10 @@ def check(cfg: DictConfig) -> None:
         kinds = ("int8", "int4", "int8+head", "int4+head")
         p += [f"weight_types: {w!r} is not one of {list(kinds)}" for w in cfg.weight_types if w not in kinds]
         p += weight_option_problems("int4", cfg.weight_group_size, key="micro")
+        p += [r for k in cfg.weight_kernels for r in weight_option_problems("int4", kernel=k, key="micro")
+              if "weight_kernel" in r]
+        if not list(cfg.weight_kernels):
+            p.append("weight_kernels must name at least one of auto, native, torch")
         p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
         if cfg.part == "weights" and not isinstance(cfg.weight_compile, bool):
             p.append(f"weight_compile must be true or false, got {cfg.weight_compile!r}")

@@ -138,8 +138,23 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(SetupError) as e:
-        micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0")
+        micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0", "weight_kernels=[fast]")
     assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
+    assert "weight_kernel must be one of ['auto', 'native', 'torch'], got 'fast'" in str(e.value)
+
+
+def test_weights_quality_names_each_kernel_when_several_are_compared(tmp_path):
+    """`weight_kernels=[torch,native]`: every weight type computed by each, named apart,
+    each model built on the kernel it names."""
+    from decodelab.models import native
+
+    kernels = ["torch"] + (["native"] if native.problem() is None else [])
+    rows = micro(tmp_path, "part=weights_quality", "prompts=1", "forced_tokens=8", "weight_types=[int4]",
+                 f"weight_kernels=[{','.join(kernels)}]", "compare_transformers=false")
+    assert [r["system"] for r in rows] == [f"ours int4@{k}" for k in kernels]
+    assert all(0 < r["mean_kl"] for r in rows)
+    if len(rows) == 2:  # bf16 activations against int8-quantized ones: not the same numbers
+        assert rows[0]["mean_kl"] != rows[1]["mean_kl"]
 
 
 def test_weights_quality_part_against_fp32_ours_and_transformers(tmp_path):
