@@ -145,9 +145,9 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     Hkv, S = keys.shape[1], keys.shape[2]
     g = Hq // Hkv
     qg = q.reshape(B, Hkv, g * T, D)  # a kv head's g query heads, T positions each
-    scores = (qg @ keys.transpose(-1, -2)) * scale  # [B, Hkv, g * T, S]
+    scores = (qg @ keys.transpose(-1, -2)).float() * scale  # [B, Hkv, g * T, S]
     mask = seen[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
-    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
     return (probs @ values).reshape(B, Hq, T, D)
 
 

@@ -81,6 +81,8 @@ def describe(cfg: DictConfig) -> dict:
     cache, decoder = ch.get("cache", cfg.cache._target_), ch.get("decoder", cfg.decoder._target_)
     decoder += " (compiled)" if cfg.get("compile") else ""  # the step compiled: a setup of its own
     draft = ch.get("draft") if spec else None
+    if draft and (cfg.get("draft") or {}).get("quantize_head"):
+        draft += "+head"  # a quantized self-draft with its LM head quantized too: a draft of its own
     if draft and (cfg.get("draft") or {}).get("compile"):
         draft += " (compiled)"
     return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{draft}" if spec else ""),

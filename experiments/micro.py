@@ -267,7 +267,9 @@ def weights(cfg, lm, hf) -> list[dict]:
             first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), n) for a, b in
                      zip(toks[name], toks["fp32"])]
             rate = statistics.median(decode[name])
-            rows.append({"context": ctx, "system": name, "decode_tok_s": rate, "vs_fp32": rate / base,
+            wq = getattr(systems.get(name, (None,))[0], "weight_quantization", None)
+            rows.append({"context": ctx, "system": name, "kernels": wq["kernels"] if wq else None,
+                         "decode_tok_s": rate, "vs_fp32": rate / base,
                          "vs_transformers": rate / hf_rate if hf_rate else None,
                          "ttft_ms": 1e3 * statistics.median(ttft[name]),
                          "compile_s": max(comp[name], default=0.0),
@@ -280,7 +282,7 @@ def weights(cfg, lm, hf) -> list[dict]:
 def decode_shaped_logits(model, prompt: list[int], ref: list[int]) -> torch.Tensor:
     """Logits [N, V] predicting ref[0..N-1]: the prompt prefilled, then ref[:-1] fed in
     forwards of `QuantProj.MAX_KERNEL_ROWS` tokens, so that quantized projections compute
-    the reply as decoding does (the packed kernels, bf16 activations), in far fewer steps."""
+    the reply as decoding does (their kernels, not the many-row dequantized path), in far fewer steps."""
     from decodelab.models.quantize import QuantProj
 
     cache = make_cache(model, 1, len(prompt) + len(ref))
@@ -423,8 +425,10 @@ def check(cfg: DictConfig) -> None:
         kinds = ("int8", "int4", "int8+head", "int4+head")
         p += [f"weight_types: {w!r} is not one of {list(kinds)}" for w in cfg.weight_types if w not in kinds]
         p += weight_option_problems("int4", cfg.weight_group_size, key="micro")
-        p += [r for k in cfg.weight_kernels for r in weight_option_problems("int4", kernel=k, key="micro")
-              if "weight_kernel" in r]
+        p += [r.replace("micro.weight_kernel must", "weight_kernels: each must") for k in cfg.weight_kernels
+              for r in weight_option_problems("int4", kernel=k, key="micro") if "weight_kernel" in r]
+        if len(set(cfg.weight_kernels)) != len(cfg.weight_kernels):
+            p.append(f"weight_kernels names a kernel twice: {list(cfg.weight_kernels)}")
         if not list(cfg.weight_kernels):
             p.append("weight_kernels must name at least one of auto, native, torch")
         p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})

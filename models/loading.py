@@ -130,8 +130,9 @@ def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=Non
                           allow_slow=False, weight_kernel="auto") -> list[str]:
     """Every problem of the model options that are not architecture, checked before any
     weights load: `weights` none | int8 | int4 (weight-only quantization of the
-    projections, models/quantize.py) with `weight_group_size`, `quantize_head` and
-    `allow_slow`, and `matmul` (models.matmul.IMPLS) for a model of `dtype` on `device`;
+    projections, models/quantize.py) with `weight_group_size`, `quantize_head`,
+    `allow_slow` and `weight_kernel` (auto | native | torch), and `matmul`
+    (models.matmul.IMPLS) for a model of `dtype` on `device`;
     `key` names the options in the messages (`model`, `draft.model`)."""
     from decodelab.models.matmul import impl_problems
     from decodelab.models.quantize import weight_option_problems

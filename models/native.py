@@ -65,7 +65,7 @@ void dl_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
         const int8_t* w1 = w0 + (R > 1 ? K : 0);
         const int8_t* w2 = w0 + (R > 2 ? 2 * K : 0);
         const int8_t* w3 = w0 + (R > 3 ? 3 * K : 0);
-        const char* next = (const char*)(w0 + 4 * K);
+        const char* next = (const char*)(b + 1 < nb ? w0 + 4 * K : w0);  /* the last block prefetches itself */
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
             const float* xa = x + m * K;
@@ -235,31 +235,70 @@ static at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
     return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
 }
 
+static at::Tensor f32(const at::Tensor& t) {  /* scales and shifts: fp32 (a module cast to bf16 keeps working) */
+    return t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
+}
+
+static void check_codes(const at::Tensor& codes, at::ScalarType type, int64_t k_mult) {
+    TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == type && codes.is_contiguous() && codes.device().is_cpu(),
+                "decodelab native kernel: codes must be a contiguous 2-D CPU tensor of ", type);
+    TORCH_CHECK(codes.size(1) % k_mult == 0, "decodelab native kernel: codes' row size ", codes.size(1),
+                " is not a multiple of ", k_mult);
+}
+
+static void check_groups(const at::Tensor& nib, const at::Tensor& sc, const at::Tensor& sh, int64_t g) {
+    int64_t k = nib.size(1) * 2;
+    TORCH_CHECK(g > 0 && g % 32 == 0 && k % g == 0, "decodelab native int4 kernel: group size ", g,
+                " must be a multiple of 32 dividing ", k);
+    TORCH_CHECK(sc.numel() == nib.size(0) * (k / g) && sh.numel() == sc.numel(),
+                "decodelab native int4 kernel: scales and shifts must hold [", nib.size(0), ", ", k / g, "]");
+}
+
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+    check_codes(codes, at::kChar, 8);
+    TORCH_CHECK(scales.numel() == codes.size(0), "decodelab native int8 kernel: one scale per output row");
     auto xc = rows_f32(x, codes.size(1));
+    auto sc = f32(scales);
     auto y = at::empty({xc.size(0), codes.size(0)}, xc.options());
-    dl_int8_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+    dl_int8_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), codes.data_ptr<int8_t>(), sc.data_ptr<float>(),
                y.data_ptr<float>(), codes.size(0));
     return y;
 }
 
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts,
                    int64_t g) {
+    check_codes(nib, at::kByte, 32);
+    check_groups(nib, scales, shifts, g);
     auto xc = rows_f32(x, nib.size(1) * 2);
+    auto sc = f32(scales), sh = f32(shifts);
     auto y = at::empty({xc.size(0), nib.size(0)}, xc.options());
     int rc = dl_int4_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), nib.data_ptr<uint8_t>(),
-                        scales.data_ptr<float>(), shifts.data_ptr<float>(), g, y.data_ptr<float>(), nib.size(0));
+                        sc.data_ptr<float>(), sh.data_ptr<float>(), g, y.data_ptr<float>(), nib.size(0));
     TORCH_CHECK(rc == 0, "decodelab native int4 kernel: out of memory for the activation codes");
     return y;
 }
 
+static void check_out(const at::Tensor& out, int64_t o0, int64_t n, int64_t rows, int64_t k) {
+    TORCH_CHECK(o0 >= 0 && n >= 0 && o0 + n <= rows, "decodelab native dequant: rows ", o0, "..", o0 + n,
+                " outside [0, ", rows, ")");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= n * k,
+                "decodelab native dequant: out must be a contiguous float32 buffer of >= ", n * k, " floats");
+}
+
 void int8_dequant(const at::Tensor& codes, const at::Tensor& scales, int64_t o0, int64_t n, at::Tensor& out) {
-    dl_int8_dequant(codes.data_ptr<int8_t>(), scales.data_ptr<float>(), codes.size(1), o0, n, out.data_ptr<float>());
+    check_codes(codes, at::kChar, 8);
+    check_out(out, o0, n, codes.size(0), codes.size(1));
+    auto sc = f32(scales);
+    dl_int8_dequant(codes.data_ptr<int8_t>(), sc.data_ptr<float>(), codes.size(1), o0, n, out.data_ptr<float>());
 }
 
 void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts, int64_t g, int64_t o0,
                   int64_t n, at::Tensor& out) {
-    dl_int4_dequant(nib.data_ptr<uint8_t>(), scales.data_ptr<float>(), shifts.data_ptr<float>(), g, nib.size(1) * 2,
+    check_codes(nib, at::kByte, 32);
+    check_groups(nib, scales, shifts, g);
+    check_out(out, o0, n, nib.size(0), nib.size(1) * 2);
+    auto sc = f32(scales), sh = f32(shifts);
+    dl_int4_dequant(nib.data_ptr<uint8_t>(), sc.data_ptr<float>(), sh.data_ptr<float>(), g, nib.size(1) * 2,
                     o0, n, out.data_ptr<float>());
 }
 
@@ -345,7 +384,12 @@ def _build() -> None:
                 (tmp / "kernels.c").write_text(SOURCE)
                 (tmp / "shim.cpp").write_text(SHIM)
                 for cmd in _build_commands(cc, cxx, tmp):
-                    r = subprocess.run(cmd, capture_output=True, text=True)
+                    try:
+                        r = subprocess.run(cmd, capture_output=True, text=True)
+                    except OSError as e:
+                        _problem = (f"cannot run the compiler {cmd[0]!r} to build decodelab's native kernels ({e}); "
+                                    "set CC / CXX to a working C / C++ compiler, or install gcc and g++")
+                        return
                     if r.returncode:
                         _problem = (f"building decodelab's native kernels failed ({cmd[0]}): "
                                     f"{r.stderr.strip()[-600:]}")
@@ -355,11 +399,15 @@ def _build() -> None:
             _problem = (f"cannot build decodelab's native kernels into {out.parent} ({e}); set DECODELAB_CACHE to a "
                         "writable folder")
             return
-    torch.ops.load_library(str(out))
-    torch.library.register_fake("decodelab::int8_mm")(
-        lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
-    torch.library.register_fake("decodelab::int4_mm")(
-        lambda x, nib, scales, shifts, group_size: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
+    try:
+        torch.ops.load_library(str(out))
+        torch.library.register_fake("decodelab::int8_mm")(
+            lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
+        torch.library.register_fake("decodelab::int4_mm")(
+            lambda x, nib, scales, shifts, group_size: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
+    except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
+        _problem = (f"loading decodelab's native kernels from {out} failed ({type(e).__name__}: {e}); delete "
+                    f"{out.parent} to rebuild them")
 
 
 def problem() -> str | None:

@@ -23,8 +23,9 @@ a model option, `weight_kernel` (`KERNELS`), and declared per projection
   arithmetic (AVX-512 BF16, AMX); without it they convert in software.
 - `auto` (default): `native` where it serves, else `torch`.
 Products of more than `QuantProj.MAX_KERNEL_ROWS` rows (a prefill) dequantize the weight
-and multiply in the model's dtype (native: in blocks of output rows through one reused
-buffer, so no full-size fp32 copy is made). The torch int4 path keeps its codes twice
+and multiply (torch's path: in the model's dtype; native: in fp32, in blocks of output rows
+through one reused buffer, so no full-size fp32 copy is made; inside a compiled step the
+native kernel takes every row count). The torch int4 path keeps its codes twice
 for that (the kernel's packed layout, and plain nibbles): 1 byte per weight.
 
 A case without a fast kernel (another device, a group size or shape no kernel takes) is
@@ -205,8 +206,9 @@ class QuantProj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in)
-        if x2.shape[0] > self.MAX_KERNEL_ROWS:
-            y = self._dequantized_product(x2)
+        if x2.shape[0] > self.MAX_KERNEL_ROWS and not (self.kernel.startswith("native")
+                                                      and torch.compiler.is_compiling()):
+            y = self._dequantized_product(x2)  # (a compiled native step takes the kernel at any row count)
         elif self.kernel == "native-int8":
             y = torch.ops.decodelab.int8_mm(x2, self.codes, self.scales)
         elif self.kernel == "native-int4":
