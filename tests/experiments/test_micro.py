@@ -140,7 +140,7 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     with pytest.raises(SetupError) as e:
         micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0", "weight_kernels=[fast]")
     assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
-    assert "weight_kernel must be one of ['auto', 'native', 'torch'], got 'fast'" in str(e.value)
+    assert "weight_kernels: each must be one of ['auto', 'native', 'torch'], got 'fast'" in str(e.value)
 
 
 def test_weights_quality_names_each_kernel_when_several_are_compared(tmp_path):
