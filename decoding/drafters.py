@@ -54,6 +54,7 @@ class ModelDrafter:
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
         self.compile = compile
         self.cache = self.static = None
+        self.lookahead = 1  # tokens the draft cache must roll back: the gamma `problems` was asked about
         self.compile_s = 0.0  # the last `begin`'s compile (compile=True), which `generate` reports apart
 
     def __repr__(self) -> str:
@@ -67,6 +68,7 @@ class ModelDrafter:
                 self.tokenizer.vocab() != self.target_tokenizer.vocab()):
             return [f"draft {self.name}'s tokenizer maps tokens to other ids than the target's; "
                     "use a draft made for the target's tokenizer"]
+        self.lookahead = max(1, gamma)  # checked against the draft cache when `begin` builds it
         return []
 
     def begin(self, prompts: list[list[int]], capacity: int) -> None:
@@ -80,10 +82,12 @@ class ModelDrafter:
                 t = time.perf_counter()
                 self.static = compiled_step(self.model, self.cache)
                 self.compile_s = time.perf_counter() - t
+            if self.cache.rollback_limit < self.lookahead:
+                raise SetupError(f"its cache {type(self.cache).__name__} can roll back {self.cache.rollback_limit} "
+                                 f"tokens but gamma {self.lookahead} needs {self.lookahead}; lower gamma or give the "
+                                 "draft another cache (draft.cache)")
         except SetupError as e:
             raise SetupError([f"draft {self.name}: {r}" for r in e.reasons]) from None
-        if self.cache.rollback_limit < 1:
-            raise ValueError("the draft cache must be able to roll back")
         prefill(self.model, self.cache, prompts)
         self.pending = [[] for _ in prompts]  # accepted tokens the draft has not fed yet
 

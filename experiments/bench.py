@@ -83,8 +83,11 @@ def describe(cfg: DictConfig) -> dict:
     draft = ch.get("draft") if spec else None
     if draft and (cfg.get("draft") or {}).get("quantize_head"):
         draft += "+head"  # a quantized self-draft with its LM head quantized too: a draft of its own
-    if draft and (cfg.get("draft") or {}).get("compile"):
-        draft += " (compiled)"
+    mods = [m for m, on in (("compiled", (cfg.get("draft") or {}).get("compile")),
+                            (f"{(cfg.get('draft') or {}).get('cache')} cache", (cfg.get("draft") or {}).get("cache")))
+            if on]
+    if draft and mods:  # a compiled step / a cache of its own: a draft of its own
+        draft += f" ({', '.join(mods)})"
     return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{draft}" if spec else ""),
             "model": cfg.model.get("name") or ch.get("model"), "weights": cfg.model.get("weights", "none"),
             "cache": cache, "decoder": decoder, "needs_drafter": spec,
@@ -144,12 +147,18 @@ def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, d
            "decode_s": dec_s, "decode_tok_s": len(itl) / dec_s if dec_s > 0 else None,
            "prompt_tok_s": n / res.prefill_s if res.prefill_s > 0 else None,
            "kv_bytes_formula": res.kv["kv_bytes_formula"], "kv_bytes_allocated": res.kv["kv_bytes_allocated"],
-           "spec": _spec(res.stats), "agreement": None}
+           "draft_kv_bytes_allocated": _draft_kv(decoder), "spec": _spec(res.stats), "agreement": None}
     if cfg.agree_with_dense and res.tokens[b]:
         gen = res.tokens[b]
         rec["agreement"] = compare(dense_logits(lm.model, prompt_ids, gen),
                                    setup_logits(lm.model, factory, decoder, prompt_ids, gen), gen)
     return rec
+
+
+def _draft_kv(decoder) -> int | None:
+    """Bytes the draft model's own cache holds (a model drafter), beside the target's."""
+    cache = getattr(getattr(decoder, "drafter", None), "cache", None)
+    return cache.nbytes() if cache is not None else None
 
 
 def _spec(stats: dict) -> dict | None:
@@ -189,6 +198,7 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
         "prompt_tok_s": sum(r["prompt_tokens"] for r in recs) / pre_s if pre_s else None,
         "kv_mib": max(r["kv_bytes_allocated"] for r in recs) / 2**20,
         "kv_mib_formula": max(r["kv_bytes_formula"] for r in recs) / 2**20,
+        "draft_kv_mib": max((r.get("draft_kv_bytes_allocated") or 0) for r in recs) / 2**20 or None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         **{k: mean([s[k] for s in spec]) for k in ("acceptance_rate", "mean_accepted", "alpha")},

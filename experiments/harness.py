@@ -82,14 +82,19 @@ def run_conditions(model=None) -> dict:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and widest vector ISA (from /proc/cpuinfo where there is one)."""
+    """The CPU's model name, family and model numbers (a virtual machine's model name may
+    not tell one generation from another) and widest vector ISA (from /proc/cpuinfo where
+    there is one), e.g. `AMD EPYC (family 25 model 1) avx2`."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")  # noqa: E731
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines()  # noqa: E731
+                              if ":" in ln and ln.split(":", 1)[0].strip() == key), "")
     isa = next((f for f in ("avx512f", "avx2", "avx") if f in field("flags").split()), "")
-    return " ".join(x for x in (field("model name") or platform.machine(), isa) if x)
+    fam, model = field("cpu family"), field("model")
+    gen = f"(family {fam} model {model})" if fam and model else ""
+    return " ".join(x for x in (field("model name") or platform.machine(), gen, isa) if x)
 
 
 # -- timing ---------------------------------------------------------------------------------
@@ -212,16 +217,37 @@ def check(cfg: DictConfig) -> None:
         reasons.append(f"compile must be true or false, got {cfg.compile!r}")
     elif cfg.get("compile") and decoder is not None and probe is not None:
         reasons += compile_problems(probe, decoder)
-    draft_compile = (cfg.get("draft") or {}).get("compile") if needs_drafter else None
+    draft = (cfg.get("draft") or {}) if needs_drafter else {}
+    draft_probe = probe
+    if draft.get("cache") is not None:  # the draft's own backend
+        name = draft.cache
+        if name not in group_options("cache"):
+            reasons.append(f"draft.cache must be null (the target's backend) or a cache option "
+                           f"({', '.join(group_options('cache'))}), got {name!r}")
+            draft_probe = None
+        else:
+            draft_probe = collect(reasons, lambda: cache_factory(name)(_probe_layout(), 1, 128))
+    draft_compile = draft.get("compile")
     if draft_compile is not None and not isinstance(draft_compile, bool):
         reasons.append(f"draft.compile must be true or false, got {draft_compile!r}")
-    elif draft_compile and probe is not None:  # the draft caches through the target's backend
-        reasons += [f"draft.compile=true: {r}" for r in static_problems(probe, "compile")]
+    elif draft_compile and draft_probe is not None:
+        hint = "" if draft.get("cache") is not None else " (or give the draft a cache of its own: draft.cache=dense)"
+        reasons += [f"draft.compile=true: {r}{hint}" for r in static_problems(draft_probe, "compile")]
     lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0
     if probe is not None and lookahead and probe.rollback_limit < lookahead:
         reasons.append(f"cache {cfg.cache._target_} can roll back {probe.rollback_limit} tokens but the decoder's "
                        f"gamma needs {lookahead}; raise the cache's rollback/residual or lower gamma")
+    if draft_probe is not None and draft_probe is not probe and lookahead and draft_probe.rollback_limit < lookahead:
+        reasons.append(f"draft.cache {type(draft_probe).__name__} can roll back {draft_probe.rollback_limit} tokens "
+                       f"but the decoder's gamma needs {lookahead}; lower gamma or choose another draft.cache")
     raise_if(reasons)
+
+
+def draft_cache(cfg: DictConfig, factory):
+    """The draft's cache factory: its own backend where `draft.cache` names one (a conf/cache
+    option), else the target's `factory`."""
+    name = (cfg.get("draft") or {}).get("cache")
+    return cache_factory(name) if name is not None else factory
 
 
 def compiles(cfg: DictConfig) -> bool:
@@ -248,11 +274,12 @@ def load_model(cfg: DictConfig):
 
 def build(cfg: DictConfig, lm):
     """(cache factory, decoder) for the loaded target `lm`; a decoder that declares
-    `needs_drafter` gets the drafter of `cfg.draft`, caching through the same backend."""
+    `needs_drafter` gets the drafter of `cfg.draft`, caching through the target's backend
+    unless `draft.cache` names its own."""
     factory = instantiate_unwrapped(cfg.cache)
     kw = {}
     if declared(cfg.decoder, "needs_drafter"):
-        kw["drafter"] = instantiate_unwrapped(cfg.draft)(target=lm, cache=factory)
+        kw["drafter"] = instantiate_unwrapped(cfg.draft)(target=lm, cache=draft_cache(cfg, factory))
     decoder = instantiate_unwrapped(cfg.decoder, **kw)
     log.info("cache: %s | decoder: %s", cfg.cache._target_, decoder)
     return factory, decoder

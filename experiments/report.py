@@ -35,11 +35,11 @@ SORT_FIELDS = ("model", "cache", "decoder", "draft", "gamma")
 MAIN_COLUMNS = ("name", "cache", "decoder", "draft", "gamma", "prompt_tokens", "ttft_ms", "itl_p50_ms", "decode_tok_s",
                 "kv_mib", "agree_top1", "agree_kl", "acceptance_rate", "speedup_vs_greedy")
 # columns of the side-by-side comparisons, shown when some run made them
-SIDE_BY_SIDE = ("greedy_identical", "c_verify", "predicted_this_hw", "efficiency", "hf_ttft_ms",
+SIDE_BY_SIDE = ("draft_kv_mib", "greedy_identical", "c_verify", "predicted_this_hw", "efficiency", "hf_ttft_ms",
                 "hf_decode_tok_s", "decode_speedup_vs_hf", "same_tokens_as_hf")
 HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "itl_p95_ms": "ITL p95 ms",
            "itl_p99_ms": "ITL p99 ms", "decode_tok_s": "decode tok/s", "prompt_tok_s": "prompt tok/s",
-           "kv_mib": "KV MiB", "kv_mib_formula": "KV MiB (formula)", "agree_top1": "top-1 vs dense",
+           "kv_mib": "KV MiB", "kv_mib_formula": "KV MiB (formula)", "draft_kv_mib": "draft KV MiB", "agree_top1": "top-1 vs dense",
            "agree_kl": "KL vs dense", "agree_max_abs_dlogit": "max |dlogit|", "acceptance_rate": "acceptance",
            "speedup_vs_greedy": "speedup vs greedy", "prompt_tokens": "prompt tokens (median)",
            "hf_decode_tok_s": "HF decode tok/s", "decode_speedup_vs_hf": "decode x HF", "hf_ttft_ms": "HF TTFT ms",

@@ -301,6 +301,31 @@ def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, 
         generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d, gamma=2), [random_ids(8, seed=3)], 4)
 
 
+def test_a_draft_cache_of_its_own(tiny_gemma, eager_draft_compile):
+    """A draft caching through another backend than the target's (`draft.cache`): a dense,
+    compiled draft beside a sliding-window target is still the target's greedy output; a
+    draft cache that cannot roll back gamma tokens is refused naming the draft."""
+    from functools import partial
+
+    from decodelab.cache.dense import DenseCache
+    from decodelab.cache.sliding import SlidingCache
+    from decodelab.decoding.drafters import early_exit
+
+    m = tiny_gemma.model
+    sliding = partial(SlidingCache, rollback=4)
+    prompts = [repetitive_prompt(), random_ids(30, m.cfg.vocab_size, seed=4)]  # past the window of 16
+    plain = generate(m, cache_for(m, 2, 90, sliding), greedy(), prompts, 24)
+    for compile in (False, True):
+        d = early_exit(tiny_gemma, 2, cache=DenseCache, compile=compile)
+        r = generate(m, cache_for(m, 2, 90, sliding), SpeculativeDecoder(d, gamma=3), prompts, 24)
+        assert r.tokens == plain.tokens and type(d.cache) is DenseCache
+        assert r.stats["acceptance_rate"] > 0
+    short = early_exit(tiny_gemma, 2, cache=partial(SlidingCache, rollback=2))
+    with pytest.raises(SetupError, match="draft early-exit-2: its cache SlidingCache can roll back 2 tokens but "
+                                         "gamma 3 needs 3; lower gamma or give the draft another cache"):
+        generate(m, cache_for(m, 1, 60), SpeculativeDecoder(short, gamma=3), [random_ids(8, seed=3)], 4)
+
+
 def test_early_exit_layers_are_checked(tiny_llama):
     from decodelab.decoding.drafters import early_exit
 

@@ -174,6 +174,9 @@ def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "speculative",
                                                           "draft": "int8-self"})
     assert bench_module.describe(head)["draft"] == "int8-self+head (compiled)"  # a quantized head: named apart
+    own = config(*[o for o in TINY if not o.startswith("draft.")], "decoder=speculative", "draft=int8-self",
+                 "draft.compile=true", "draft.cache=dense")
+    assert bench_module.describe(own)["draft"] == "int8-self (compiled, dense cache)"  # its own cache: named
 
 
 def test_side_by_side_with_transformers_generate(tmp_path):

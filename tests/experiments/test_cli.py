@@ -56,6 +56,11 @@ def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
     ("decoder=speculative draft=int8-self draft.compile=true cache=int4",
      "draft.compile=true: the QuantizedCache backend cannot give a fixed-shape view"),
     ("decoder=speculative draft=early-exit draft.compile=1", "draft.compile must be true or false"),
+    ("decoder=speculative draft=int8-self draft.compile=true cache=int4",
+     r"draft.compile=true: .* \(or give the draft a cache of its own: draft.cache=dense\)"),
+    ("decoder=speculative draft=int8-self draft.cache=dens", "draft.cache must be null .* got 'dens'"),
+    ("decoder=speculative draft=early-exit draft.compile=true draft.cache=int4",
+     "draft.compile=true: the QuantizedCache backend cannot give a fixed-shape view"),
 ])
 def test_bad_requests_fail_before_weights_load(override, match, monkeypatch):
     import decodelab.models.loading as loading
