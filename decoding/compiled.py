@@ -175,6 +175,7 @@ class StaticDecoder:
             core = getattr(model, "model", model)  # a wrapper (the early-exit draft) holds the Transformer
             if core.lm_head is None and self.view.traced:
                 core.tied_head_t()  # the head copy the traced forward reads
+            core.memoize_rope(cache.layout.device)  # memos filled before tracing: no guard on their state
             # on a CPU the whole step is one graph: a graph break is an error, never a silent slow path
             fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=self.view.traced)
         self.fn, self.graph, self.logits = fn, None, None

@@ -336,6 +336,13 @@ class Transformer(nn.Module):
             self._inv_freq[key] = rope.inv_freq(self.cfg.head_dim).to(device)
         return self._inv_freq[key]
 
+    def memoize_rope(self, device: torch.device) -> None:
+        """Every layer's RoPE frequencies on `device` memoized now: a compiled step traced
+        before the model's first forward would otherwise see the memo empty, guard on that,
+        and compile again on its first step after any eager forward (a prefill) fills it."""
+        for r in set(self._rope_keys):
+            self.inv_freq(r, device)
+
     def set_matmul(self, impl: str) -> "Transformer":
         """Every projection (and the tied head) computes with `impl` (models.matmul.IMPLS)."""
         raise_if(impl_problems(impl, self.dtype, self.device))

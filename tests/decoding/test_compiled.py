@@ -54,6 +54,22 @@ def test_static_step_matches_plain_step(tiny_llama, backend, mode):
     assert (got - want).abs().max().item() < 1e-4
 
 
+def test_a_step_compiled_before_the_first_forward_does_not_compile_again():
+    """A fresh model (its memos empty) compiled first, then prefilled eagerly (which fills
+    them), then stepped: no second compile on the first real step (it would land in the
+    first request's decode time instead of the compile time reported apart)."""
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.models.loading import random_model
+    from tests.conftest import TINY
+
+    model = random_model(TINY["llama"], seed=3, device="cpu").model  # fresh: nothing memoized yet
+    cache = cache_for(model, 1, 40)
+    dec = compiled_step(model, cache, backend="eager")
+    first = prefill(model, cache, PROMPTS[:1]).argmax(-1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        greedy_decode(dec.step, first, 3)
+
+
 def test_dense_as_pool_addresses_each_rows_positions():
     t = torch.randn(3, 2, 16, 4)  # [B, Hkv, S, D]
     pool, table = dense_as_pool(t, 4)  # [Hkv, N, 4, D], [B, 4]
