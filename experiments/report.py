@@ -39,7 +39,8 @@ SIDE_BY_SIDE = ("draft_kv_mib", "greedy_identical", "c_verify", "predicted_this_
                 "hf_decode_tok_s", "decode_speedup_vs_hf", "same_tokens_as_hf")
 HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "itl_p95_ms": "ITL p95 ms",
            "itl_p99_ms": "ITL p99 ms", "decode_tok_s": "decode tok/s", "prompt_tok_s": "prompt tok/s",
-           "kv_mib": "KV MiB", "kv_mib_formula": "KV MiB (formula)", "draft_kv_mib": "draft KV MiB", "agree_top1": "top-1 vs dense",
+           "kv_mib": "KV MiB", "kv_mib_formula": "KV MiB (formula)", "draft_kv_mib": "draft KV MiB",
+           "agree_top1": "top-1 vs dense",
            "agree_kl": "KL vs dense", "agree_max_abs_dlogit": "max |dlogit|", "acceptance_rate": "acceptance",
            "speedup_vs_greedy": "speedup vs greedy", "prompt_tokens": "prompt tokens (median)",
            "hf_decode_tok_s": "HF decode tok/s", "decode_speedup_vs_hf": "decode x HF", "hf_ttft_ms": "HF TTFT ms",

@@ -70,6 +70,32 @@ def test_a_step_compiled_before_the_first_forward_does_not_compile_again():
         greedy_decode(dec.step, first, 3)
 
 
+def test_compiled_steps_of_two_models_interleaved_stay_apart():
+    """Compiled steps of one code object (two models, two capacities, and a second cache of
+    the first model's shape) called in turn after their first (fully guarded) calls: each
+    gives its own model's eager logits from its own cache, so the reduced guard evaluation
+    of later calls still picks the right graph and reads the right tensors."""
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.models.loading import random_model
+    from tests.conftest import TINY
+
+    first, second = (random_model(TINY["llama"], seed=s, device="cpu").model for s in (5, 6))
+    models, caps = [first, second, first], [40, 48, 40]
+    want = [plain(m, cache_for(m, 2, c), 6) for m, c in zip(models, caps)]
+    caches = [cache_for(m, 2, c) for m, c in zip(models, caps)]
+    decs = [compiled_step(m, c, backend="eager") for m, c in zip(models, caches)]
+    last = [prefill(m, c, PROMPTS).argmax(-1) for m, c in zip(models, caches)]
+    got = [[], [], []]
+    for _ in range(6):
+        for i in (1, 0, 2):
+            logits = decs[i].step(last[i]).clone()
+            got[i].append(logits)
+            last[i] = logits.argmax(-1)
+    for i in (0, 1, 2):
+        assert (torch.stack(got[i], 1) - want[i]).abs().max().item() < 1e-4, i
+    assert not torch.allclose(want[0], want[1])  # the two models differ: a mix-up would show
+
+
 def test_dense_as_pool_addresses_each_rows_positions():
     t = torch.randn(3, 2, 16, 4)  # [B, Hkv, S, D]
     pool, table = dense_as_pool(t, 4)  # [Hkv, N, 4, D], [B, 4]
