@@ -211,10 +211,12 @@ class StaticDecoder:
         compiled graphs of this process apart (`skip_guard_eval_unsafe`): a step's shapes and
         state are fixed once built, and a full guard evaluation costs about 2 ms a step
         (SmolLM2, hundreds of module tensors), 10% of a compiled int4 step."""
-        if not self.guarded:
+        if not self.guarded or not SKIP_GUARD_EVAL:
             self.guarded = True
             return self.fn()
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=SKIP_GUARD_EVAL):
+        now = torch._dynamo.eval_frame._stance  # the caller's stance (force_eager, ...), kept
+        kw = {"force_backend": now.backend} if now.backend is not None else {}
+        with torch.compiler.set_stance(now.stance, skip_guard_eval_unsafe=True, **kw):
             return self.fn()
 
     def _capture(self) -> None:
@@ -257,6 +259,7 @@ def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "
     dec = StaticDecoder(model, cache, mode="compile", backend=backend, tokens=tokens)
     dec.step(torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device))
     cache.reset()
+    dec.guarded = False  # the first real step (after a prefill) is guarded in full once more
     return dec
 
 

@@ -50,11 +50,17 @@ class ModelDrafter:
 
     def __init__(self, model, cache=DenseCache, tokenizer=None, target_tokenizer=None, name: str = "draft",
                  compile: bool = False):
+        if cache is None:  # a conf/draft yaml's `cache: null` reached a builder as is: the default
+            cache = DenseCache
+        elif isinstance(cache, str):
+            raise SetupError(f"draft {name}: cache {cache!r} is a conf/cache option name; build the drafter "
+                             "through experiments.harness.build (which turns draft.cache into a cache factory) "
+                             "or pass a factory (e.g. decodelab.cache.dense.DenseCache)")
         self.model, self.cache_factory, self.name = model, cache, name
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
         self.compile = compile
         self.cache = self.static = None
-        self.lookahead = 1  # tokens the draft cache must roll back: the gamma `problems` was asked about
+        self.lookahead = 1  # tokens the draft cache must roll back (the decoder's gamma, set before `begin`)
         self.compile_s = 0.0  # the last `begin`'s compile (compile=True), which `generate` reports apart
 
     def __repr__(self) -> str:
@@ -68,7 +74,6 @@ class ModelDrafter:
                 self.tokenizer.vocab() != self.target_tokenizer.vocab()):
             return [f"draft {self.name}'s tokenizer maps tokens to other ids than the target's; "
                     "use a draft made for the target's tokenizer"]
-        self.lookahead = max(1, gamma)  # checked against the draft cache when `begin` builds it
         return []
 
     def begin(self, prompts: list[list[int]], capacity: int) -> None:
@@ -77,15 +82,15 @@ class ModelDrafter:
         `compile`, the draft step is compiled first (once per shape in a process)."""
         try:  # make_cache checks before it allocates; its reasons are the draft's
             self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
+            if self.cache.rollback_limit < self.lookahead:  # before any compile
+                raise SetupError(f"its cache {type(self.cache).__name__} can roll back {self.cache.rollback_limit} "
+                                 f"tokens but gamma {self.lookahead} needs {self.lookahead}; lower gamma or give the "
+                                 "draft another cache (draft.cache)")
             self.static, self.compile_s = None, 0.0
             if self.compile:
                 t = time.perf_counter()
                 self.static = compiled_step(self.model, self.cache)
                 self.compile_s = time.perf_counter() - t
-            if self.cache.rollback_limit < self.lookahead:
-                raise SetupError(f"its cache {type(self.cache).__name__} can roll back {self.cache.rollback_limit} "
-                                 f"tokens but gamma {self.lookahead} needs {self.lookahead}; lower gamma or give the "
-                                 "draft another cache (draft.cache)")
         except SetupError as e:
             raise SetupError([f"draft {self.name}: {r}" for r in e.reasons]) from None
         prefill(self.model, self.cache, prompts)

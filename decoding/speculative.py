@@ -222,6 +222,8 @@ class SpeculativeDecoder:
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
         self.gamma = self.gamma0
         self._stats = SpeculativeStats(self.gamma_max, rows=len(prompts))
+        if hasattr(self.drafter, "lookahead"):  # a draft with a cache of its own rolls back up to gamma_max
+            self.drafter.lookahead = self.gamma_max
         self.drafter.begin(prompts, capacity)
 
     def start(self, logits: torch.Tensor) -> torch.Tensor:

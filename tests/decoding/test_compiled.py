@@ -54,11 +54,15 @@ def test_static_step_matches_plain_step(tiny_llama, backend, mode):
     assert (got - want).abs().max().item() < 1e-4
 
 
-def test_a_step_compiled_before_the_first_forward_does_not_compile_again():
+def test_a_step_compiled_before_the_first_forward_does_not_compile_again(monkeypatch):
     """A fresh model (its memos empty) compiled first, then prefilled eagerly (which fills
-    them), then stepped: no second compile on the first real step (it would land in the
-    first request's decode time instead of the compile time reported apart)."""
+    them), then stepped with every guard evaluated: no second compile on the first real
+    step (it would land in the first request's decode time instead of the compile time
+    reported apart)."""
+    from decodelab.decoding import compiled
     from decodelab.decoding.compiled import compiled_step
+
+    monkeypatch.setattr(compiled, "SKIP_GUARD_EVAL", False)
     from decodelab.models.loading import random_model
     from tests.conftest import TINY
 
@@ -94,6 +98,32 @@ def test_compiled_steps_of_two_models_interleaved_stay_apart():
     for i in (0, 1, 2):
         assert (torch.stack(got[i], 1) - want[i]).abs().max().item() < 1e-4, i
     assert not torch.allclose(want[0], want[1])  # the two models differ: a mix-up would show
+
+
+def test_compiled_steps_that_differ_only_in_python_state_stay_apart():
+    """Early exits after 1 and after 2 layers of one model, over caches of one shape: their
+    graphs differ only in a Python int (no tensor shape tells them apart), the case the
+    reduced guard evaluation of later calls must still get right."""
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.decoding.drafters import EarlyExit
+    from decodelab.models.loading import random_model
+    from tests.conftest import TINY
+
+    core = random_model(TINY["llama"], seed=7, device="cpu").model
+    exits = [EarlyExit(core, 1), EarlyExit(core, 2)]
+    want = [plain(e, cache_for(e, 2, 40), 6) for e in exits]
+    caches = [cache_for(e, 2, 40) for e in exits]
+    decs = [compiled_step(e, c, backend="eager") for e, c in zip(exits, caches)]
+    last = [prefill(e, c, PROMPTS).argmax(-1) for e, c in zip(exits, caches)]
+    got = [[], []]
+    for _ in range(6):
+        for i in (1, 0):
+            logits = decs[i].step(last[i]).clone()
+            got[i].append(logits)
+            last[i] = logits.argmax(-1)
+    for i in (0, 1):
+        assert (torch.stack(got[i], 1) - want[i]).abs().max().item() < 1e-4, i
+    assert not torch.allclose(want[0], want[1])
 
 
 def test_dense_as_pool_addresses_each_rows_positions():

@@ -61,6 +61,8 @@ def test_generate_prompt_file_chat_off_and_sampling(tmp_path, capsys):
     ("decoder=speculative draft=int8-self draft.cache=dens", "draft.cache must be null .* got 'dens'"),
     ("decoder=speculative draft=early-exit draft.compile=true draft.cache=int4",
      "draft.compile=true: the QuantizedCache backend cannot give a fixed-shape view"),
+    ("decoder=speculative decoder.gamma=17 draft=early-exit draft.cache=int4",
+     "draft.cache QuantizedCache can roll back 16 tokens but the decoder's gamma needs 17; lower gamma"),
 ])
 def test_bad_requests_fail_before_weights_load(override, match, monkeypatch):
     import decodelab.models.loading as loading

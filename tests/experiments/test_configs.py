@@ -38,6 +38,31 @@ def test_every_cache_decoder_combination_checks_and_builds(cache, decoder, tiny_
         assert dec.drafter.cache_factory is factory
 
 
+@pytest.mark.parametrize("cache", names("cache"))
+def test_a_draft_cache_of_its_own_is_built_from_its_option(cache, tiny_models):
+    """draft.cache names a conf/cache option: the draft caches through that backend, the
+    target through its own; a compiled draft on a target cache that cannot compile checks."""
+    cfg = config(f"cache={cache}", "decoder=speculative", "draft=early-exit", "draft.layers=1", "draft.cache=dense",
+                 "draft.compile=true")
+    harness.check(cfg)
+    lm = tiny_models["llama"]
+    factory, dec = harness.build(cfg, lm)
+    layout = CacheLayout.of(lm.model)
+    assert type(dec.drafter.cache_factory(layout, 1, 16)).__name__ == "DenseCache"
+    assert type(factory(layout, 1, 16)).__name__ == {"dense": "DenseCache", "paged": "PagedCache",
+                                                     "int4": "QuantizedCache", "sliding": "SlidingCache"}[cache]
+
+
+def test_a_drafter_built_without_a_cache_factory(tiny_models):
+    """A conf/draft yaml instantiated by hand (no `cache=` from the harness): `cache: null`
+    is the dense default; a cache option's name is refused with how to build it."""
+    lm = tiny_models["llama"]
+    d = harness.option("draft", "early-exit", layers=1)(target=lm)
+    assert d.cache_factory.__name__ == "DenseCache"
+    with pytest.raises(SetupError, match="cache 'paged' is a conf/cache option name; build the drafter through"):
+        harness.option("draft", "early-exit", layers=1, cache="paged")(target=lm)
+
+
 @pytest.mark.parametrize("draft", names("draft"))
 def test_every_draft_builds(draft, tiny_models):
     overrides = ["decoder=speculative", f"draft={draft}"] + (["draft.layers=1"] if draft == "early-exit" else [])
