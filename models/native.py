@@ -142,6 +142,43 @@ static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const
     }
 }
 
+/* Four int4 output rows o .. o + 3 against one activation row (a decode step): q4_row's
+   arithmetic for each row, in the same order (so a row's result does not depend on M), with
+   the four rows' independent sums interleaved and the activation blocks loaded once. */
+static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, const float* dx, const float* xs,
+        int64_t K, const uint8_t* nib, const float* scale, const float* shift, int64_t G, int64_t bpg,
+        float* y, int64_t o) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t B = K / 32, H = K / 2;
+    __m256 acc[4], acc2[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < B; b += 2) {
+        __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
+        __m256i xv2 = _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32));
+        float d = dx[b], d2 = dx[b + 1];
+        int64_t j = b / bpg, j2 = (b + 1) / bpg;
+        for (int r = 0; r < 4; r++) {
+            const uint8_t* wr = nib + (o + r) * H + b * 16;
+            __m128i v = _mm_loadu_si128((const __m128i*)wr);
+            __m128i v2 = _mm_loadu_si128((const __m128i*)(wr + 16));
+            __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+            __m256i c2 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v2, 4), mask), _mm_and_si128(v2, mask));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), ones);
+            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(c2, xv2), ones);
+            float s = scale[(o + r) * G + j], s2 = scale[(o + r) * G + j2];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * d), acc[r]);
+            acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(s2 * d2), acc2[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float v = hsum(_mm256_add_ps(acc[r], acc2[r]));
+        const float* sh = shift + (o + r) * G;
+        for (int64_t j = 0; j < G; j++) v += sh[j] * xs[j];
+        y[o + r] = v;
+    }
+}
+
 /* y[M, N] = x[M, K] @ W^T, W[o, k] = code * scale[o, k / g] + shift[o, k / g]; x quantized to
    int8 per 32 channels here. K % 64 == 0, g % 32 == 0, K % g == 0. Returns 0, or -1 when
    out of memory. */
@@ -166,6 +203,15 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
             for (int64_t k = 0; k < g; k++) s += x[m * K + j * g + k];
             xs[m * G + j] = s;
         }
+    }
+    if (M == 1) {  /* a decode step: four output rows at a time, the rest one by one */
+        int64_t N4 = N / 4 * 4;
+        #pragma omp parallel for schedule(static)
+        for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o);
+        for (int64_t o = N4; o < N; o++)
+            q4_row(xq, dx, xs, 0, 1, K, nib + o * (K / 2), scale + o * G, shift + o * G, G, bpg, y, N, o);
+        free(xq); free(dx); free(xs);
+        return 0;
     }
     #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < N; o++) {
