@@ -80,12 +80,10 @@ def describe(cfg: DictConfig) -> dict:
     spec = harness.declared(cfg.decoder, "needs_drafter")
     cache, decoder = ch.get("cache", cfg.cache._target_), ch.get("decoder", cfg.decoder._target_)
     decoder += " (compiled)" if cfg.get("compile") else ""  # the step compiled: a setup of its own
-    draft = ch.get("draft") if spec else None
-    if draft and (cfg.get("draft") or {}).get("quantize_head"):
+    draft, opts = (ch.get("draft") if spec else None), cfg.get("draft") or {}
+    if draft and opts.get("quantize_head"):
         draft += "+head"  # a quantized self-draft with its LM head quantized too: a draft of its own
-    mods = [m for m, on in (("compiled", (cfg.get("draft") or {}).get("compile")),
-                            (f"{(cfg.get('draft') or {}).get('cache')} cache", (cfg.get("draft") or {}).get("cache")))
-            if on]
+    mods = ["compiled"] * bool(opts.get("compile")) + [f"{opts.get('cache')} cache"] * bool(opts.get("cache"))
     if draft and mods:  # a compiled step / a cache of its own: a draft of its own
         draft += f" ({', '.join(mods)})"
     return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{draft}" if spec else ""),
