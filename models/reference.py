@@ -177,3 +177,43 @@ def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int | list[i
     times = [[s - t0 for s in r.timestamps] for r in res]
     return {"tokens": [list(r.generated_tokens) for r in res], "wall_s": wall, "gen_s": g1 - g0,
             "ttft_s": [t[0] if t else None for t in times], "token_times": times}
+
+
+def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python (the optional llama.cpp anchor, README) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_model(gguf, n_ctx: int, threads: int):
+    """llama.cpp (llama-cpp-python's `Llama`) on the GGUF file `gguf` as it is shipped
+    (its own quantized weights), `threads` threads for decode and prompt alike, a context of
+    `n_ctx` tokens, default batch sizes (a prompt of up to 512 tokens in one batch);
+    `system` names it with the file's weight type (llama.cpp's description of the model)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.system = f"llama.cpp {llm._model.desc().split()[-1]}"  # "llama 256M Q4_1" -> "llama.cpp Q4_1"
+    return llm
+
+
+def llama_cpp_generate_timed(llm, ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy decode of `new_tokens` after `ids` (its KV cache cleared first):
+    the prompt in one `eval`, then one token per `eval`, each next token the argmax of the
+    last logits (llama.cpp computes only those); the new tokens and, per token, the
+    seconds since the call, as `hf_generate_timed` returns them."""
+    import numpy as np
+
+    def argmax() -> int:
+        return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
+
+    t0 = time.perf_counter()
+    llm.reset()
+    llm.eval(ids)
+    out, times = [argmax()], [time.perf_counter() - t0]
+    for _ in range(new_tokens - 1):
+        llm.eval([out[-1]])
+        out.append(argmax())
+        times.append(time.perf_counter() - t0)
+    return out, times

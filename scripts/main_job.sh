@@ -48,7 +48,7 @@ step() {  # name, exit codes that are results (e.g. "0 1"), then the command; it
 }
 # shellcheck disable=SC2086  # the *_ARGS and SLIDING variables are lists of overrides
 step weights 0 "$B/decodelab-micro" part=weights 'weight_types=[int8,int4]' weight_compile=false \
-    'contexts=[32,64,128,192,256]' steps=16 prompts_per_context=1 repeats=1 "${ARGS[@]}" ${WEIGHTS_ARGS:-} \
+    'contexts=[32,64,128,192,256]' steps=16 prompts_per_context=1 repeats=1 ttft_rounds=2 "${ARGS[@]}" ${WEIGHTS_ARGS:-} \
     "hydra.run.dir=$OUT/weights"
 # shellcheck disable=SC2086
 step gamma 0 "$B/decodelab-micro" part=spec_gamma prompts=2 steps=24 repeats=1 "${ARGS[@]}" ${GAMMA_ARGS:-} \

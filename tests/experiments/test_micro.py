@@ -4,6 +4,7 @@ report, and bad options refused before the model loads."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -122,18 +123,25 @@ def test_mixed_step_times_each_way_per_backend_and_chunk(tmp_path, monkeypatch):
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     g = sys.modules["decodelab.decoding.generate"]  # compiled steps through dynamo's eager backend (fast to build)
     monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))
-    rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=1",
-                 "weight_types=[int8,int4+head]")
+    rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=2",
+                 "weight_types=[int8,int4+head]", "ttft_rounds=3")
     assert [r["system"] for r in rows] == ["fp32", "fp32 compiled", "int8", "int8 compiled", "int4+head",
-                                           "int4+head compiled", "transformers-fp32"]
+                                           "int4+head compiled", "transformers-fp32", "fp32 (control)"]
     by = {r["system"]: r for r in rows}
-    fp32, hf = by["fp32"], by["transformers-fp32"]
+    fp32, hf, control = by["fp32"], by["transformers-fp32"], by.pop("fp32 (control)")
     assert fp32["vs_fp32"] == 1.0 and hf["vs_transformers"] == 1.0
-    assert all(r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 for r in rows)
-    assert fp32["identical_to_fp32"] == "1/1" and hf["identical_to_fp32"] == "1/1"  # transformers' greedy = ours
-    assert by["fp32 compiled"]["identical_to_fp32"] == "1/1"  # the compiled step decodes the same tokens
+    assert all(r["decode_tok_s"] > 0 for r in by.values()) and "decode_tok_s" not in control
+    assert all(r["vs_llama_cpp"] is None for r in by.values())  # a random model: no GGUF for llama.cpp
+    # TTFT: each prefill path (compiled steps prefill eagerly: none of their own), paired with fp32's
+    ttft = [r for r in rows if "ttft_ms" in r]
+    assert [r["system"] for r in ttft] == ["fp32", "int8", "int4+head", "transformers-fp32", "fp32 (control)"]
+    assert fp32["ttft_vs_fp32"] == fp32["ttft_vs_fp32_p25"] == fp32["ttft_vs_fp32_p75"] == 1.0
+    assert all(r["ttft_ms"] > 0 and 0 < r["ttft_vs_fp32_p25"] <= r["ttft_vs_fp32"] <= r["ttft_vs_fp32_p75"]
+               for r in ttft)
+    assert fp32["identical_to_fp32"] == "2/2" and hf["identical_to_fp32"] == "2/2"  # transformers' greedy = ours
+    assert by["fp32 compiled"]["identical_to_fp32"] == "2/2"  # the compiled step decodes the same tokens
     assert by["int8 compiled"]["identical_to_fp32"] == by["int8"]["identical_to_fp32"]
-    assert all((r["compile_s"] > 0) == r["system"].endswith("compiled") for r in rows if r is not hf)
+    assert all((r["compile_s"] > 0) == r["system"].endswith("compiled") for r in by.values() if r is not hf)
     import decodelab.models.loading as loading
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
@@ -141,6 +149,16 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
         micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0", "weight_kernels=[fast]")
     assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
     assert "weight_kernels: each must be one of ['auto', 'native', 'torch'], got 'fast'" in str(e.value)
+    with pytest.raises(SetupError) as e:
+        micro(tmp_path, "part=weights", "ttft_rounds=0", "compare_llama_cpp=maybe")
+    assert "ttft_rounds must be an integer >= 1, got 0" in str(e.value)
+    assert "compare_llama_cpp must be auto, true or false, got 'maybe'" in str(e.value)
+    reference = sys.modules["decodelab.models.reference"]
+    monkeypatch.setattr(reference, "llama_cpp_available", lambda: False)
+    with pytest.raises(SetupError) as e:
+        micro(tmp_path, "part=weights", "compare_llama_cpp=true")
+    assert "compare_llama_cpp=true needs llama-cpp-python" in str(e.value)
+    assert "model 'tiny-llama' has no GGUF file for llama.cpp to run" in str(e.value)
 
 
 def test_weights_quality_names_each_kernel_when_several_are_compared(tmp_path):
@@ -215,3 +233,24 @@ def test_spec_gamma_part_grid_against_greedy_beside_each_drafter(tmp_path, monke
         assert msg in str(e.value)
     with pytest.raises(SetupError, match="quantizes the target, but the target is quantized already"):
         micro(tmp_path, "part=spec_gamma", "drafts=[int8-self]", "model.weights=int8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python (the optional llama.cpp anchor, README) is not installed")
+def test_the_llama_cpp_anchor_decodes_the_prompts_our_fp32_model_decodes(tmp_path):
+    """SmolLM2's own Q4_1 GGUF through llama.cpp, fed the same token ids: greedy tokens that
+    agree with our fp32 model (the same weights, dequantized) for several tokens, which a
+    misfed prompt or another model would not; timed beside ours, its row the unit of
+    vs_llama_cpp."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="micro", overrides=[
+            "model=smollm2-135m", "threads=1", "part=weights", "contexts=[24]", "steps=6", "repeats=1",
+            "prompts_per_context=2", "weight_types=[int4]", "weight_compile=false", "compare_transformers=false",
+            "compare_llama_cpp=true", "ttft_rounds=1"])
+    by = {r["system"]: r for r in run(cfg, tmp_path)}
+    assert list(by) == ["fp32", "int4", "llama.cpp Q4_1", "fp32 (control)"]
+    ll = by["llama.cpp Q4_1"]
+    assert ll["vs_llama_cpp"] == 1.0 and ll["decode_tok_s"] > 0 and ll["ttft_ms"] > 0
+    assert by["fp32"]["vs_llama_cpp"] == pytest.approx(by["fp32"]["decode_tok_s"] / ll["decode_tok_s"])
+    assert ll["first_difference_median"] >= 3, ll
