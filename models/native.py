@@ -179,6 +179,38 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
     }
 }
 
+/* One activation row x[K] as int8 codes per 32 channels: xq = round-half-even(x * 127 / absmax),
+   dx = absmax / 127 (codes 0 where the block is all zero), xs = the row's sum per group of g
+   (summed in 8 lanes, then across them). Vectorized; the codes are what lrintf gives. */
+static inline void q8_row(const float* p, int64_t K, int64_t g, int8_t* xq, float* dx, float* xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float* q = p + b * 32;
+        __m256 v0 = _mm256_loadu_ps(q), v1 = _mm256_loadu_ps(q + 8), v2 = _mm256_loadu_ps(q + 16),
+               v3 = _mm256_loadu_ps(q + 24);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float mx = _mm_cvtss_f32(h);
+        float id = mx > 0.f ? 127.f / mx : 0.f;
+        dx[b] = mx / 127.f;
+        __m256 s = _mm256_set1_ps(id);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, s)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, s));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, s)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, s));
+        /* packs work per 128-bit lane: dwords come out as i0 lo, i1 lo, i2 lo, i3 lo, i0 hi, ...; reorder */
+        __m256i c = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i*)(xq + b * 32), _mm256_permutevar8x32_epi32(c, order));
+    }
+    for (int64_t j = 0; j < K / g; j++) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t k = 0; k < g; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(p + j * g + k));
+        xs[j] = hsum(s);
+    }
+}
+
 /* y[M, N] = x[M, K] @ W^T, W[o, k] = code * scale[o, k / g] + shift[o, k / g]; x quantized to
    int8 per 32 channels here. K % 64 == 0, g % 32 == 0, K % g == 0. Returns 0, or -1 when
    out of memory. */
@@ -189,21 +221,7 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
     float* dx = (float*)malloc(sizeof(float) * (size_t)(M * B));
     float* xs = (float*)malloc(sizeof(float) * (size_t)(M * G));
     if (!xq || !dx || !xs) { free(xq); free(dx); free(xs); return -1; }
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < B; b++) {
-            const float* p = x + m * K + b * 32;
-            float mx = 0.f;
-            for (int i = 0; i < 32; i++) { float a = p[i] < 0 ? -p[i] : p[i]; if (a > mx) mx = a; }
-            float id = mx > 0.f ? 127.f / mx : 0.f;
-            dx[m * B + b] = mx / 127.f;
-            for (int i = 0; i < 32; i++) xq[m * K + b * 32 + i] = (int8_t)__builtin_lrintf(p[i] * id);
-        }
-        for (int64_t j = 0; j < G; j++) {
-            float s = 0.f;
-            for (int64_t k = 0; k < g; k++) s += x[m * K + j * g + k];
-            xs[m * G + j] = s;
-        }
-    }
+    for (int64_t m = 0; m < M; m++) q8_row(x + m * K, K, g, xq + m * K, dx + m * B, xs + m * G);
     if (M == 1) {  /* a decode step: four output rows at a time, the rest one by one */
         int64_t N4 = N / 4 * 4;
         #pragma omp parallel for schedule(static)

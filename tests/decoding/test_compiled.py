@@ -98,6 +98,7 @@ def test_compiled_steps_of_two_models_interleaved_stay_apart():
     for i in (0, 1, 2):
         assert (torch.stack(got[i], 1) - want[i]).abs().max().item() < 1e-4, i
     assert not torch.allclose(want[0], want[1])  # the two models differ: a mix-up would show
+    assert all(d.replay is not None for d in decs)  # later steps replayed their graphs, each its own inputs
 
 
 def test_compiled_steps_that_differ_only_in_python_state_stay_apart():
@@ -124,6 +125,40 @@ def test_compiled_steps_that_differ_only_in_python_state_stay_apart():
     for i in (0, 1):
         assert (torch.stack(got[i], 1) - want[i]).abs().max().item() < 1e-4, i
     assert not torch.allclose(want[0], want[1])
+    assert all(d.replay is not None for d in decs)
+
+
+@pytest.mark.parametrize("backend", ["dense", "paged"])
+def test_a_replayed_step_equals_the_step_through_dynamo(monkeypatch, backend):
+    """After its first (guarded) call a compiled CPU step calls its graph directly on the
+    inputs dynamo handed it: bit-identical logits to every step through dynamo with every
+    guard evaluated (SKIP_GUARD_EVAL off), on a dense and a paged cache. A stance the
+    caller sets (force_eager) is kept: the replay is not used under it."""
+    from decodelab.decoding import compiled
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.models.loading import random_model
+    from tests.conftest import TINY
+
+    model = random_model(TINY["llama"], seed=8, device="cpu").model
+    factory = None if backend == "dense" else partial(PagedCache, block_size=4)
+
+    def run(skip: bool):
+        monkeypatch.setattr(compiled, "SKIP_GUARD_EVAL", skip)
+        # capacity 44: shapes no other test compiles with inductor (each would reuse the other's graph)
+        cache = cache_for(model, 2, 44) if factory is None else cache_for(model, 2, 44, factory)
+        dec = compiled_step(model, cache, backend="inductor")
+        out = []
+        greedy_decode(lambda last: out.append(dec.step(last).clone()) or out[-1],
+                      prefill(model, cache, PROMPTS).argmax(-1), 6)
+        return dec, torch.stack(out, 1)
+
+    guarded, want = run(False)
+    replayed, got = run(True)
+    assert guarded.replay is None and replayed.replay is not None
+    assert torch.equal(got, want)
+    replayed.replay = (lambda *inputs: pytest.fail("replayed under force_eager"), ())
+    with torch.compiler.set_stance("force_eager"):
+        replayed.step(got[:, -1].argmax(-1))
 
 
 def test_dense_as_pool_addresses_each_rows_positions():
