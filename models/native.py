@@ -44,6 +44,8 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
+#include <omp.h>
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -248,6 +250,106 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
     return 0;
 }
 
+/* Attention of decode-shaped queries over a row-major cache: out[b, h, t] = softmax over the
+   slots s this query sees (s <= pos[b, t], and s > pos[b, t] - window where window > 0) of
+   (q[b, h, t] . k[b, h / g, s]) * scale, times v[b, h / g, s], g = Hq / Hkv; fp32 throughout.
+   q, out [B, Hq, T, D]; k, v [B, Hkv, S, D]; D % 8 == 0. Only the seen slots are read, each
+   once for the g query heads that share it. The work: (b, kv head, t) x C chunks of the seen
+   slots (C so that every thread gets work), each chunk's softmax taken against its own max;
+   the chunks then merge exactly (flash-decoding). Returns 0, or -1 when out of memory. */
+int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t* pos, int64_t B, int64_t Hq,
+                   int64_t Hkv, int64_t T, int64_t S, int64_t D, float scale, int64_t window, float* out) {
+    int64_t g = Hq / Hkv, rows = B * Hkv * T, threads = omp_get_max_threads();
+    int64_t C = (2 * threads + rows - 1) / rows;
+    if (C > 16) C = 16;
+    if (C < 1) C = 1;
+    /* per (row, chunk, query head): max, sum, unnormalized output [D] */
+    float* part = (float*)malloc(sizeof(float) * (size_t)(rows * C * g * (D + 2)));
+    int64_t span = S / C + 2;
+    int failed = part ? 0 : 1;
+    if (failed) return -1;
+    #pragma omp parallel
+    {
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(g * span));
+        if (!sc) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < rows * C; it++) {
+            if (!sc) continue;
+            int64_t c = it % C, r = it / C, t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
+            int64_t p = pos[b * T + t], hi = (p < S - 1 ? p : S - 1) + 1, lo = 0;
+            if (window > 0 && p - window + 1 > 0) lo = p - window + 1;
+            int64_t n = hi > lo ? hi - lo : 0;
+            int64_t c0 = lo + n * c / C, c1 = lo + n * (c + 1) / C;
+            const float* kh = k + (b * Hkv + hk) * S * D;
+            const float* vh = v + (b * Hkv + hk) * S * D;
+            float* pr = part + it * g * (D + 2);
+            for (int64_t j = 0; j < g; j++) {
+                float* o = pr + j * (D + 2);
+                o[0] = -INFINITY; o[1] = 0.f;
+                for (int64_t d = 0; d < D; d++) o[2 + d] = 0.f;
+            }
+            if (c1 <= c0) continue;
+            for (int64_t s = c0; s < c1; s++) {
+                const float* ks = kh + s * D;
+                for (int64_t j = 0; j < g; j++) {
+                    const float* qr = q + ((b * Hq + hk * g + j) * T + t) * D;
+                    __m256 a = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8)
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(ks + d), a);
+                    float x = hsum(a) * scale;
+                    sc[j * span + (s - c0)] = x;
+                    if (x > pr[j * (D + 2)]) pr[j * (D + 2)] = x;
+                }
+            }
+            for (int64_t j = 0; j < g; j++) {
+                float mx = pr[j * (D + 2)], sum = 0.f;
+                float* e = sc + j * span;
+                for (int64_t s = 0; s < c1 - c0; s++) { e[s] = expf(e[s] - mx); sum += e[s]; }
+                pr[j * (D + 2) + 1] = sum;
+            }
+            for (int64_t s = c0; s < c1; s++) {
+                const float* vs = vh + s * D;
+                for (int64_t j = 0; j < g; j++) {
+                    float* o = pr + j * (D + 2) + 2;
+                    __m256 w = _mm256_set1_ps(sc[j * span + (s - c0)]);
+                    for (int64_t d = 0; d < D; d += 8)
+                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + d), _mm256_loadu_ps(o + d)));
+                }
+            }
+        }
+        free(sc);
+    }
+    if (!failed) {  /* merge the chunks: each rescaled to the common max */
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
+            for (int64_t j = 0; j < g; j++) {
+                float* o = out + ((b * Hq + hk * g + j) * T + t) * D;
+                float mx = -INFINITY, sum = 0.f;
+                for (int64_t c = 0; c < C; c++) {
+                    float m = part[((r * C + c) * g + j) * (D + 2)];
+                    if (m > mx) mx = m;
+                }
+                for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+                if (mx == -INFINITY) continue;  /* no slot seen: zeros */
+                for (int64_t c = 0; c < C; c++) {
+                    const float* pr = part + ((r * C + c) * g + j) * (D + 2);
+                    if (pr[0] == -INFINITY) continue;
+                    float f = expf(pr[0] - mx);
+                    sum += f * pr[1];
+                    for (int64_t d = 0; d < D; d++) o[d] += f * pr[2 + d];
+                }
+                float inv = 1.f / sum;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+    free(part);
+    return failed ? -1 : 0;
+}
+
 /* out[n, K] (fp32) = rows o0 .. o0 + n of the int8 weight */
 void dl_int8_dequant(const int8_t* w, const float* scale, int64_t K, int64_t o0, int64_t n, float* out) {
     #pragma omp parallel for schedule(static)
@@ -291,6 +393,8 @@ extern "C" {
 void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, float*, int64_t);
 int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
+int dl_decode_attn(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, int64_t, float*);
 void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
 }
 
@@ -366,10 +470,32 @@ void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Ten
                     o0, n, out.data_ptr<float>());
 }
 
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& pos, double scale, int64_t window) {
+    TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+                "decodelab decode_attention: q [B, Hq, T, D], keys and values [B, Hkv, S, D]");
+    int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
+    TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0,
+                "decodelab decode_attention: shapes q ", q.sizes(), " keys ", keys.sizes());
+    TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                values.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
+                keys.device().is_cpu(), "decodelab decode_attention: contiguous float32 CPU keys and values");
+    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T,
+                "decodelab decode_attention: pos must be [B, T] = [", B, ", ", T, "]");
+    auto qc = q.contiguous();
+    auto pc = pos.to(at::kLong).contiguous();
+    auto out = at::empty({B, Hq, T, D}, q.options());
+    int rc = dl_decode_attn(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
+                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>());
+    TORCH_CHECK(rc == 0, "decodelab decode_attention: out of memory for the scores");
+    return out;
+}
+
 TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
+    m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window) -> Tensor");
     m.def("int4_dequant(Tensor nib, Tensor scales, Tensor shifts, int group_size, int o0, int n, "
           "Tensor(a!) out) -> ()");
 }
@@ -378,6 +504,7 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int8_mm", &int8_mm);
     m.impl("int4_mm", &int4_mm);
     m.impl("int8_dequant", &int8_dequant);
+    m.impl("decode_attention", &decode_attention);
     m.impl("int4_dequant", &int4_dequant);
 }
 """
@@ -469,6 +596,8 @@ def _build() -> None:
             lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int4_mm")(
             lambda x, nib, scales, shifts, group_size: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
+        torch.library.register_fake("decodelab::decode_attention")(
+            lambda q, keys, values, pos, scale, window: q.new_empty(q.shape))
     except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
         _problem = (f"loading decodelab's native kernels from {out} failed ({type(e).__name__}: {e}); delete "
                     f"{out.parent} to rebuild them")
@@ -543,3 +672,12 @@ def dequantize_rows(weights: str, o0: int, n: int, out: torch.Tensor, codes: tor
     else:
         ops.int4_dequant(codes, scales, shifts, group_size, o0, n, out)
     return out.view(-1)[: n * K].view(n, K)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D] over the row-major cache buffers keys, values [B, Hkv, S, D] (fp32,
+    contiguous; GQA: query head h reads kv head h // (Hq / Hkv)): each query at position
+    pos [B, T] sees the slots at or before it (and, with a `window`, the `window` - 1
+    before it); only those are read -> [B, Hq, T, D] (the operator decodelab::decode_attention)."""
+    return _ops().decode_attention(q, keys, values, pos, scale, window or 0)

@@ -308,3 +308,43 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
         want = _gen(model, None, greedy(), False, prompts=many, n=4)
         got = _gen(model, None, greedy(), True, prompts=many, n=4)
         assert got.tokens == want.tokens
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("T", [1, 3])
+def test_native_decode_attention_equals_masked_attention(threads, window, T):
+    """decodelab::decode_attention (models/native.py) against plain masked attention over
+    the whole buffer: GQA (4 query heads on 2 kv heads), two rows at different positions
+    (one past the buffer's end: clamped), T queries per row each seeing up to itself, with
+    and without a window; thread counts that split each row's slots into chunks
+    whose softmaxes merge (1 to 4 chunks)."""
+    from decodelab.cache.base import reference_attention
+    from decodelab.models import native
+
+    if native.problem() is not None:
+        pytest.skip(f"native kernels: {native.problem()}")
+    g = torch.Generator().manual_seed(T)
+    B, Hq, Hkv, S, D = 2, 4, 2, 40, 16
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((B, Hq, T, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    pos = torch.tensor([[30 + t for t in range(T)], [6 + t for t in range(T)]])
+    kpos = torch.arange(S)
+    seen = kpos <= pos[..., None]  # [B, T, S]
+    if window is not None:
+        seen &= kpos > pos[..., None] - window
+    want = reference_attention(q, k, v, seen[:, None], 0.25)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.decode_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, pos, 0.25, window)
+        past = native.decode_attention(q[:, :, :1], k, v, torch.tensor([[S + 5], [S - 1]]), 0.25, window)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    last = reference_attention(q[:, :, :1], k, v, (kpos > S - 1 - window if window else kpos >= 0)[None, None, None],
+                               0.25)  # row 1 at the last slot sees the window before it, or every slot
+    torch.testing.assert_close(past[1], last[1], rtol=1e-5, atol=1e-5)
+    if window is None:  # row 0 past the end: every slot (with a window: none of them, zeros)
+        torch.testing.assert_close(past[0], last[0], rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(past[0], torch.zeros_like(past[0]))
