@@ -149,13 +149,25 @@ static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const
    the four rows' independent sums interleaved and the activation blocks loaded once. */
 static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, const float* dx, const float* xs,
         int64_t K, const uint8_t* nib, const float* scale, const float* shift, int64_t G, int64_t bpg,
-        float* y, int64_t o) {
+        float* y, int64_t o, int64_t N) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t B = K / 32, H = K / 2;
+    /* the next four rows' codes, scales and shifts are fetched while these run (their own
+       line each two steps; the last block fetches itself) */
+    int64_t nx = o + 8 <= N ? o + 4 : o;
+    const char* pn = (const char*)(nib + nx * H);
+    const char* ps = (const char*)(scale + nx * G);
+    const char* pt = (const char*)(shift + nx * G);
+    int64_t sb = 4 * G * (int64_t)sizeof(float);
     __m256 acc[4], acc2[4];
     for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < B; b += 2) {
+        if ((b & 3) == 0) {
+            for (int r = 0; r < 4; r++) _mm_prefetch(pn + r * H + b * 16, _MM_HINT_T0);
+            int64_t at = b / 4 * 64;
+            if (at < sb) { _mm_prefetch(ps + at, _MM_HINT_T0); _mm_prefetch(pt + at, _MM_HINT_T0); }
+        }
         __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
         __m256i xv2 = _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32));
         float d = dx[b], d2 = dx[b + 1];
@@ -227,7 +239,7 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
     if (M == 1) {  /* a decode step: four output rows at a time, the rest one by one */
         int64_t N4 = N / 4 * 4;
         #pragma omp parallel for schedule(static)
-        for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o);
+        for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o, N4);
         for (int64_t o = N4; o < N; o++)
             q4_row(xq, dx, xs, 0, 1, K, nib + o * (K / 2), scale + o * G, shift + o * G, G, bpg, y, N, o);
         free(xq); free(dx); free(xs);
