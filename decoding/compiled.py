@@ -296,8 +296,20 @@ def replayable(backend):
 _REPLAYABLE: dict = {}
 
 
+#: inductor options of compiled CPU steps: no per-call size, stride and alignment checks of
+#: the graph's inputs (hundreds of module tensors, checked at every call, about 10% of an int4
+#: SmolLM2 step: 118 -> 130 tok/s, Zen 3); a step's inputs are fixed when it is built
+INDUCTOR_PATCHES = {"size_asserts": False, "alignment_asserts": False}
+
+
 def _noting_backend(backend):
-    inner_backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        def inner_backend(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=INDUCTOR_PATCHES)
+    else:
+        inner_backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
     def compile_noting(gm, example_inputs):
         compiled = inner_backend(gm, example_inputs)
