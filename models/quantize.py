@@ -22,7 +22,7 @@ a model option, `weight_kernel` (`KERNELS`), and declared per projection
   not divide) and output sizes divisible by 16. These are fast where the CPU has bf16
   arithmetic (AVX-512 BF16, AMX); without it they convert in software.
 - `auto` (default): `native` where it serves, else `torch`.
-Products of more than `QuantProj.MAX_KERNEL_ROWS` rows (a prefill) dequantize the weight
+Products of more than `QuantProj.max_kernel_rows` rows (16, native kernels 32: a prefill) dequantize the weight
 and multiply (torch's path: in the model's dtype; native: in fp32, in blocks of output rows
 through one reused buffer, so no full-size fp32 copy is made; inside a compiled step the
 native kernel takes every row count). The torch int4 path keeps its codes twice
@@ -199,6 +199,11 @@ class QuantProj(nn.Module):
     #: on a CPU without bf16 arithmetic: 576 x 3072 on 2 AVX2 cores equal to fp32 at 16
     #: rows, 2-3x its cost at 256), while dequantizing costs about one 16-row product
     MAX_KERNEL_ROWS = 16
+    #: the same bound for decodelab's native kernels: they stream the weight once for any row
+    #: count, so a product of up to 32 rows (a short prompt, a batched decode step) costs less
+    #: through them than dequantizing (SmolLM2, 32-token prefill, Zen 3, 2 threads: int8 0.77x,
+    #: int4 0.92x fp32's against 1.35x, 1.26x dequantized); at 64 rows and more fp32's GEMM wins
+    MAX_NATIVE_ROWS = 32
     #: the native path dequantizes many-row products in blocks of output rows of at most
     #: this many weights (fp32: 32 MiB), through one buffer shared by all projections: every
     #: projection of a small model but its head is one block, multiplied by one GEMM straight
@@ -209,7 +214,7 @@ class QuantProj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.n_in)
-        if x2.shape[0] > self.MAX_KERNEL_ROWS and not (self.kernel.startswith("native")
+        if x2.shape[0] > self.max_kernel_rows and not (self.kernel.startswith("native")
                                                       and torch.compiler.is_compiling()):
             y = self._dequantized_product(x2)  # (a compiled native step takes the kernel at any row count)
         elif self.kernel == "native-int8":
@@ -223,6 +228,11 @@ class QuantProj(nn.Module):
                                                   self.scale_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.n_out)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """The most rows this projection's kernel takes in eager code (more dequantize)."""
+        return self.MAX_NATIVE_ROWS if self.kernel.startswith("native") else self.MAX_KERNEL_ROWS
 
     def _dequantized_product(self, x2: torch.Tensor) -> torch.Tensor:
         if not self.kernel.startswith("native"):

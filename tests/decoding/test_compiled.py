@@ -304,7 +304,7 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
     got = _gen(model, None, greedy(), True, n=12)
     assert got.tokens == want.tokens and got.compile_s > 0
     if weights == "int8":  # (int4's kernel quantizes activations, its eager prefill-sized path does not)
-        many = [random_ids(5 + i % 7, seed=10 + i) for i in range(17)]  # 17 rows > MAX_KERNEL_ROWS
+        many = [random_ids(5 + i % 7, seed=10 + i) for i in range(33)]  # 33 rows > the kernel's 32
         want = _gen(model, None, greedy(), False, prompts=many, n=4)
         got = _gen(model, None, greedy(), True, prompts=many, n=4)
         assert got.tokens == want.tokens

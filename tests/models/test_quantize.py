@@ -110,7 +110,7 @@ def test_the_native_kernel_computes_quantos_quantization(weights, group, n_out):
     for m in range(1, 8):
         assert torch.equal(p(x[:m]), got[:m])
     assert torch.equal(p(x[3:4]), got[3:4])
-    many = torch.randn(QuantProj.MAX_KERNEL_ROWS + 1, 192, generator=g)
+    many = torch.randn(p.max_kernel_rows + 1, 192, generator=g)
     torch.testing.assert_close(p(many), many @ deq, rtol=1e-5, atol=1e-5)
 
 
@@ -121,7 +121,7 @@ def test_the_native_many_row_path_dequantizes_in_blocks(monkeypatch):
     g = torch.Generator().manual_seed(1)
     for weights, group in (("int8", None), ("int4", 64)):
         p = QuantProj(torch.randn(128, 80, generator=g), None, weights, group, kernel="native")
-        x = torch.randn(QuantProj.MAX_KERNEL_ROWS + 3, 128, generator=g)
+        x = torch.randn(p.max_kernel_rows + 3, 128, generator=g)
         want = x @ p.dequantized()
         monkeypatch.setattr(QuantProj, "DEQUANT_BLOCK", 128 * 24)  # 24 rows a block: 4 blocks, the last of 8
         torch.testing.assert_close(p(x), want, rtol=1e-5, atol=1e-5)
