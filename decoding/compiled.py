@@ -14,7 +14,8 @@ but a graph replays fixed device work. So the host still does the bookkeeping th
 happen, `cache.prepare` (lengths, the paged block allocation), before each step; inside
 the graph `StaticAttention` stands in for the cache: it writes the new K/V at device-side
 positions and attends over storage of fixed shape, the whole capacity, masked by each
-row's length. The storage comes from the cache's `static_view()` (cache/base.py):
+row's length (on a CPU, a dense fp32 cache: a native kernel that reads only the slots each
+query sees, `NATIVE_ATTENTION`). The storage comes from the cache's `static_view()` (cache/base.py):
 per-layer block pools and a block table (a dense cache reads as a pool of blocks of its
 own rows, an identity table), which the block-table kernel (cache/kernels/paged.py) reads
 on CUDA with a fixed split-K count; on a CPU a dense cache's buffers are read row-major
@@ -60,7 +61,8 @@ class StaticAttention:
     (opaque calls the CUDA graph captures). On a CPU nothing is captured, so they are
     traced with the model into one graph: a dense cache's buffers are written and read
     in place, row-major ([B, Hkv, S, D], no block gather), over the whole capacity with
-    each row's length as a mask."""
+    each row's length as a mask, or, for an fp32 cache where decodelab's native kernels
+    build, by `decodelab::decode_attention` over only the slots each query sees."""
 
     def __init__(self, cache, impl: str = "auto", tokens: int = 1):
         lay, B = cache.layout, cache.batch_size
@@ -124,9 +126,10 @@ class StaticAttention:
                          lay.windows[layer], lay.softcap, self.splits)
 
     def _attend_rows(self, layer, q, k, v):
-        """The row-major buffers [B, Hkv, S, D] of a dense cache, in place, over every slot;
-        a key is seen where its slot is at or before the row's position (and inside the
-        layer's window): causal within the new tokens too."""
+        """The row-major buffers [B, Hkv, S, D] of a dense cache, in place; a key is seen
+        where its slot is at or before the row's position (and inside the layer's window):
+        causal within the new tokens too. The native kernel reads only those slots; the
+        torch path reads every slot, masked."""
         at = (self.batch_rows[:, :, None], self.heads[..., None], self.pos[:, None])  # -> [B, Hkv, T]
         keys, values = self.storage.rows_k[layer], self.storage.rows_v[layer]
         keys.index_put_(at, k)
@@ -238,22 +241,27 @@ class StaticDecoder:
         """The compiled step on a CPU. The first call goes through dynamo and evaluates its
         guards in full (it compiles, or finds this shape's graph), and notes the compiled
         graph it ran and that graph's inputs: this step's own tensors (ids, positions, the
-        cache's buffers) and the model's, every one mutated in place, never replaced. Later
-        calls call that graph on those inputs directly: no guard evaluation (about 2 ms a
-        step for SmolLM2's hundreds of module tensors) and no frame bytecode, 1.2-1.7 ms of
-        a 12 ms int4 step (Zen 3). Where the graph cannot be replayed so (more than the
-        logits out, an input that is not a tensor) or the caller set a stance of its own
-        (force_eager, ...), later calls go through dynamo with `skip_guard_eval_unsafe`:
-        only the guards that tell this process's compiled graphs apart."""
+        cache's buffers, all updated in place) and the model's. Later calls call that graph
+        on those inputs directly: no guard evaluation (about 2 ms a step for SmolLM2's
+        hundreds of module tensors) and no frame bytecode, 1.2-1.7 ms of a 12 ms int4 step
+        (Zen 3). What the replay does not see: model state replaced after that first call
+        (modules swapped, a tied head's copy rebuilt after an in-place edit of the
+        embedding): build a new step after such an edit, or set `SKIP_GUARD_EVAL = False`.
+        Where the graph cannot be replayed so (more than the logits out, an input that is
+        not a tensor) or the caller set a stance of its own (force_eager, ...), later calls
+        go through dynamo with `skip_guard_eval_unsafe`: only the guards that tell this
+        process's compiled graphs apart. A guarded call that raises leaves the step
+        unguarded: the next call is guarded in full again."""
         now = torch._dynamo.eval_frame._stance  # the caller's stance (force_eager, ...), kept
         if not self.guarded or not SKIP_GUARD_EVAL:
             global _NOTING
-            self.guarded, _NOTING = True, True
+            self.guarded, self.replay, _NOTING = False, None, True
             try:
                 out = self.fn()
             finally:
                 ran, _NOTING = list(_RAN), False
                 _RAN.clear()
+            self.guarded = True  # only once a fully guarded call has returned
             self.replay = ran[0] if len(ran) == 1 and SKIP_GUARD_EVAL else None
             return out
         if self.replay is not None and now.stance == "default" and now.backend is None:

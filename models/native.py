@@ -494,9 +494,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
                 keys.device().is_cpu(), "decodelab decode_attention: contiguous float32 CPU keys and values");
     TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T,
                 "decodelab decode_attention: pos must be [B, T] = [", B, ", ", T, "]");
+    TORCH_CHECK(q.device().is_cpu() && values.device().is_cpu() && pos.device().is_cpu(),
+                "decodelab decode_attention: q, keys, values and pos must be CPU tensors");
     auto qc = q.contiguous();
     auto pc = pos.to(at::kLong).contiguous();
     auto out = at::empty({B, Hq, T, D}, q.options());
+    if (out.numel() == 0 || S == 0) return out.zero_();
     int rc = dl_decode_attn(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
                             pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>());
     TORCH_CHECK(rc == 0, "decodelab decode_attention: out of memory for the scores");

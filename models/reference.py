@@ -194,7 +194,8 @@ def llama_cpp_model(gguf, n_ctx: int, threads: int):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
-    llm.system = f"llama.cpp {llm._model.desc().split()[-1]}"  # "llama 256M Q4_1" -> "llama.cpp Q4_1"
+    # "llama 256M Q4_1" -> "llama.cpp Q4_1"; "gemma3 270M Q4_K - Medium" -> "llama.cpp Q4_K - Medium"
+    llm.system = f"llama.cpp {llm._model.desc().split(maxsplit=2)[-1]}"
     return llm
 
 

@@ -310,6 +310,43 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
         assert got.tokens == want.tokens
 
 
+def test_replayable_notes_only_graphs_it_can_replay():
+    """The replay wrapper notes a graph (and its inputs) only during a guarded call and only
+    where it returns one output from tensor inputs; a graph of two outputs runs through
+    dynamo as before, never noted."""
+    from decodelab.decoding import compiled
+
+    x, y = torch.randn(3), torch.randn(3)
+    one = torch.compile(lambda: (x * 2 + y).sin(), backend=compiled.replayable("eager"), fullgraph=True)
+    two = torch.compile(lambda: (x * 2, y + 1), backend=compiled.replayable("eager"), fullgraph=True)
+    assert compiled.replayable("eager") is compiled.replayable("eager")  # one wrapper: dynamo's cache shared
+    one(), two()  # compiled, not noted (no guarded call in progress)
+    assert compiled._RAN == []
+    compiled._NOTING = True
+    try:
+        want_one, want_two = one(), two()
+        ran = list(compiled._RAN)
+    finally:
+        compiled._NOTING = False
+        compiled._RAN.clear()
+    assert len(ran) == 1  # the one-output graph only
+    graph, inputs = ran[0]
+    assert all(isinstance(t, torch.Tensor) for t in inputs)
+    assert torch.equal(graph(*inputs)[0], want_one)
+    x.add_(1)  # an input updated in place: the replay reads it, as dynamo's call would
+    assert torch.equal(graph(*inputs)[0], one())
+    assert torch.equal(two()[0], x * 2) and not torch.equal(want_two[0], x * 2)
+
+
+def test_native_decode_attention_takes_empty_batches():
+    from decodelab.models import native
+
+    if native.problem() is not None:
+        pytest.skip(f"native kernels: {native.problem()}")
+    q, kv = torch.randn(0, 4, 1, 16), torch.randn(0, 2, 8, 16)
+    assert native.decode_attention(q, kv, kv, torch.zeros(0, 1, dtype=torch.long), 0.25).shape == (0, 4, 1, 16)
+
+
 @pytest.mark.parametrize("threads", [1, 3, 8])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("T", [1, 3])

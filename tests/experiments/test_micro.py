@@ -149,6 +149,8 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
         micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0", "weight_kernels=[fast]")
     assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
     assert "weight_kernels: each must be one of ['auto', 'native', 'torch'], got 'fast'" in str(e.value)
+    with pytest.raises(SetupError, match="compare_llama_cpp must be auto, true or false, got 0"):
+        micro(tmp_path, "part=weights", "compare_llama_cpp=0")
     with pytest.raises(SetupError) as e:
         micro(tmp_path, "part=weights", "ttft_rounds=0", "compare_llama_cpp=maybe")
     assert "ttft_rounds must be an integer >= 1, got 0" in str(e.value)
