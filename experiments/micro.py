@@ -6,7 +6,7 @@
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
-    decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights, eager, compiled; transformers, llama.cpp
+    decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights; transformers, llama.cpp
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
     decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, measured and predicted
 """
