@@ -264,12 +264,13 @@ def llama_cpp_for(cfg, lm, n_ctx: int):
 
     if cfg.compare_llama_cpp is False:
         return None
-    gguf = model_gguf(cfg.model)
-    if not llama_cpp_available() or gguf is None:
-        print("llama.cpp anchor skipped: " + ("llama-cpp-python is not installed (README: the optional anchor)"
-                                                if not llama_cpp_available() else f"model {lm.name} has no GGUF file"))
+    if not llama_cpp_available():
+        print("llama.cpp anchor skipped: llama-cpp-python is not installed (README: the optional anchor)")
         return None
-    return llama_cpp_model(gguf, n_ctx, torch.get_num_threads())
+    if not has_gguf(cfg.model):
+        print(f"llama.cpp anchor skipped: model {lm.name} has no GGUF file")
+        return None
+    return llama_cpp_model(model_gguf(cfg.model), n_ctx, torch.get_num_threads())
 
 
 def _rotated(names: list[str], k: int) -> list[str]:
