@@ -231,14 +231,14 @@ def early_exit(target, layers: int, cache=DenseCache, compile: bool = False) -> 
 
 def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: int | None = None,
                    quantize_head: bool = False, allow_slow: bool = False, compile: bool = False,
-                   weight_kernel: str = "auto") -> ModelDrafter:
+                   weight_kernel: str = "auto", weight_prefill_dtype: str = "auto") -> ModelDrafter:
     """The target with weight-only int8/int4 weights (quanto's quantizers, fast kernels:
     models/quantize.py) as its own draft; the target keeps its own precision, so greedy
     speculative output stays the target's."""
     from decodelab.models.quantize import quantize_weights
 
     draft = quantize_weights(target.model, weights, group_size=group_size, quantize_head=quantize_head,
-                             allow_slow=allow_slow, kernel=weight_kernel)
+                             allow_slow=allow_slow, kernel=weight_kernel, prefill_dtype=weight_prefill_dtype)
     return ModelDrafter(draft, cache, name=f"self-{weights}", compile=compile)
 
 

@@ -161,7 +161,7 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
 
 
 #: the model options that quantize weights: a setup (conf/setup/int8-weights.yaml) may set them
-WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow", "weight_kernel")
+WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow", "weight_kernel", "weight_prefill_dtype")
 
 
 def _weights_of(model_cfg) -> dict:
@@ -190,7 +190,8 @@ def setup_models(cfg: DictConfig, composed: dict[str, DictConfig], lm) -> dict:
         if key not in copies:
             copies[key] = quantize_weights(lm.model, w["weights"] or "none", group_size=w["weight_group_size"],
                                            quantize_head=bool(w["quantize_head"]), allow_slow=bool(w["allow_slow"]),
-                                           kernel=w["weight_kernel"] or "auto")
+                                           kernel=w["weight_kernel"] or "auto",
+                                           prefill_dtype=w["weight_prefill_dtype"] or "auto")
         out[name] = copies[key]
     return out
 

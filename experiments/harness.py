@@ -183,7 +183,7 @@ def model_problems(spec, key: str = "model") -> list[str]:
     return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
                                  spec.get("device"), key, spec.get("weight_group_size"),
                                  spec.get("quantize_head", False), spec.get("allow_slow", False),
-                                 spec.get("weight_kernel", "auto"))
+                                 spec.get("weight_kernel", "auto"), spec.get("weight_prefill_dtype", "auto"))
 
 
 def draft_problems(cfg: DictConfig) -> list[str]:
@@ -195,7 +195,7 @@ def draft_problems(cfg: DictConfig) -> list[str]:
 
         p += weight_option_problems(draft.get("weights", "int8"), draft.get("group_size"),
                                     draft.get("quantize_head", False), draft.get("allow_slow", False), "draft",
-                                    draft.get("weight_kernel", "auto"))
+                                    draft.get("weight_kernel", "auto"), draft.get("weight_prefill_dtype", "auto"))
     if declared(draft, "quantizes_target") and cfg.model.get("weights", "none") != "none":
         p.append(f"draft={draft.get('weights')}-self quantizes the target, but the target is quantized already "
                  f"(model.weights={cfg.model.weights}); use model.weights=none, or another draft (early-exit, "

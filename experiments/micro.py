@@ -207,17 +207,22 @@ def mixed_step(cfg, lm, hf) -> list[dict]:
 def weight_models(cfg, lm) -> dict:
     """name -> our model with each of `weight_types` (int4 at `weight_group_size`; `+head`:
     the LM head quantized too) computed by each of `weight_kernels` (models/quantize.py
-    KERNELS; the name says `@kernel` unless the list is just [auto])."""
+    KERNELS; the name says `@kernel` unless the list is just [auto]), its prefills in each
+    of `weight_prefill_dtypes` (PREFILL_DTYPES; the name says `prefill <dtype>` unless the
+    list is just [auto])."""
     from decodelab.models.quantize import quantize_weights
 
     tag = list(cfg.weight_kernels) != ["auto"]
+    pre = list(cfg.weight_prefill_dtypes) != ["auto"]
     out = {}
     for w in cfg.weight_types:
         kind, head = w.split("+")[0], w.endswith("+head")
         for k in cfg.weight_kernels:
-            out[f"{w}@{k}" if tag else w] = quantize_weights(
-                lm.model, kind, group_size=cfg.weight_group_size if kind == "int4" else None, quantize_head=head,
-                kernel=k)
+            for d in cfg.weight_prefill_dtypes:
+                name = (f"{w}@{k}" if tag else w) + (f" prefill {d}" if pre else "")
+                g = cfg.weight_group_size if kind == "int4" else None
+                out[name] = quantize_weights(lm.model, kind, group_size=g, quantize_head=head, kernel=k,
+                                             prefill_dtype=d)
     return out
 
 
@@ -352,14 +357,16 @@ def weights(cfg, lm, hf) -> list[dict]:
         hf_rate = statistics.median(decode["transformers-fp32"]) if hf is not None else None
         ll_rate = statistics.median(decode[llama.system]) if llama is not None else None
         for name in [*runners, "fp32 (control)"]:
-            row = {"context": ctx, "system": name, "kernels": None}
+            row = {"context": ctx, "system": name, "kernels": None, "prefill_dtype": None}
             if name in runners:
                 same = [a == b for a, b in zip(toks[name], toks["fp32"])]
                 first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), n) for a, b in
                          zip(toks[name], toks["fp32"])]
                 rate = statistics.median(decode[name])
                 wq = getattr(systems.get(name, (None,))[0], "weight_quantization", None)
-                row.update({"kernels": wq["kernels"] if wq else None, "decode_tok_s": rate, "vs_fp32": rate / base,
+                row.update({"kernels": wq["kernels"] if wq else None,
+                            "prefill_dtype": wq["prefill_dtype"] if wq else None,
+                            "decode_tok_s": rate, "vs_fp32": rate / base,
                             "vs_transformers": rate / hf_rate if hf_rate else None,
                             "vs_llama_cpp": rate / ll_rate if ll_rate else None,
                             "compile_s": max(comp[name], default=0.0),
@@ -526,6 +533,13 @@ def check(cfg: DictConfig) -> None:
             p.append(f"weight_kernels names a kernel twice: {list(cfg.weight_kernels)}")
         if not list(cfg.weight_kernels):
             p.append("weight_kernels must name at least one of auto, native, torch")
+        p += [r.replace("micro.weight_prefill_dtype must", "weight_prefill_dtypes: each must")
+              for d in cfg.weight_prefill_dtypes for r in weight_option_problems("int4", key="micro", prefill_dtype=d)
+              if "weight_prefill_dtype" in r]
+        if len(set(cfg.weight_prefill_dtypes)) != len(cfg.weight_prefill_dtypes):
+            p.append(f"weight_prefill_dtypes names a dtype twice: {list(cfg.weight_prefill_dtypes)}")
+        if not list(cfg.weight_prefill_dtypes):
+            p.append("weight_prefill_dtypes must name at least one of auto, float32, bfloat16")
         p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
         if cfg.part == "weights" and not isinstance(cfg.weight_compile, bool):
             p.append(f"weight_compile must be true or false, got {cfg.weight_compile!r}")

@@ -97,14 +97,16 @@ def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float3
                  device: str | None = "auto", name: str = "random", tokenizer: str | None = None,
                  max_seq_len: int | None = None, weights: str = "none", matmul: str = "auto",
                  weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto") -> LoadedModel:
+                allow_slow: bool = False, weight_kernel: str = "auto",
+                weight_prefill_dtype: str = "auto") -> LoadedModel:
     """A randomly initialized model, built directly on its device and dtype (Llama-3-8B
     shapes fit a GPU without a CPU copy); `tokenizer` names a model whose tokenizer it
     borrows."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
     if max_seq_len:
         cfg = cfg.with_(max_seq_len=max_seq_len)
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel)  # the weight quantization options
+    # the weight quantization options
+    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
     raise_if(model_option_problems(weights, matmul, dtype, device, **q))
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     raise_if(_weight_problems(cfg, weights, dev, **q))
@@ -127,17 +129,19 @@ def _with_rope_defaults(d: dict) -> dict:
 
 def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=None, device=None,
                           key: str = "model", weight_group_size=None, quantize_head=False,
-                          allow_slow=False, weight_kernel="auto") -> list[str]:
+                          allow_slow=False, weight_kernel="auto", weight_prefill_dtype="auto") -> list[str]:
     """Every problem of the model options that are not architecture, checked before any
     weights load: `weights` none | int8 | int4 (weight-only quantization of the
     projections, models/quantize.py) with `weight_group_size`, `quantize_head`,
-    `allow_slow` and `weight_kernel` (auto | native | torch), and `matmul`
+    `allow_slow`, `weight_kernel` (auto | native | torch) and `weight_prefill_dtype`
+    (auto | float32 | bfloat16), and `matmul`
     (models.matmul.IMPLS) for a model of `dtype` on `device`;
     `key` names the options in the messages (`model`, `draft.model`)."""
     from decodelab.models.matmul import impl_problems
     from decodelab.models.quantize import weight_option_problems
 
-    p = weight_option_problems(weights, weight_group_size, quantize_head, allow_slow, key, weight_kernel)
+    p = weight_option_problems(weights, weight_group_size, quantize_head, allow_slow, key, weight_kernel,
+                               weight_prefill_dtype)
     try:
         dt, dev = resolve_dtype(dtype or "float32"), resolve_device(device)
     except SetupError:
@@ -145,22 +149,25 @@ def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=Non
     return p + impl_problems(matmul, dt, dev, key=f"{key}.matmul")
 
 
-def _q(weight_group_size=None, quantize_head=False, allow_slow=False, weight_kernel="auto") -> dict:
+def _q(weight_group_size=None, quantize_head=False, allow_slow=False, weight_kernel="auto",
+       weight_prefill_dtype="auto") -> dict:
     return {"weight_group_size": weight_group_size, "quantize_head": quantize_head, "allow_slow": allow_slow,
-            "weight_kernel": weight_kernel}
+            "weight_kernel": weight_kernel, "weight_prefill_dtype": weight_prefill_dtype}
 
 
 def _weight_problems(cfg: ModelConfig, weights: str, device, weight_group_size=None, quantize_head=False,
-                     allow_slow=False, weight_kernel="auto") -> list[str]:
+                     allow_slow=False, weight_kernel="auto", weight_prefill_dtype="auto") -> list[str]:
     """The weight options against the model's shapes (models/quantize.py), once its config
     is known and before its weights load."""
     from decodelab.models.quantize import weight_problems
 
-    return weight_problems(cfg, weights, weight_group_size, quantize_head, allow_slow, device, kernel=weight_kernel)
+    return weight_problems(cfg, weights, weight_group_size, quantize_head, allow_slow, device, kernel=weight_kernel,
+                           prefill_dtype=weight_prefill_dtype)
 
 
 def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weight_group_size=None,
-           quantize_head: bool = False, allow_slow: bool = False, weight_kernel: str = "auto") -> Transformer:
+           quantize_head: bool = False, allow_slow: bool = False, weight_kernel: str = "auto",
+           weight_prefill_dtype: str = "auto") -> Transformer:
     """Eval mode, the matmul impl, weight quantization, and the CPU head layout built
     now rather than in the first request."""
     model.set_matmul(matmul)
@@ -168,7 +175,8 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weig
         from decodelab.models.quantize import quantize_weights
 
         model = quantize_weights(model, weights, copy=False, group_size=weight_group_size,
-                                 quantize_head=quantize_head, allow_slow=allow_slow, kernel=weight_kernel)
+                                 quantize_head=quantize_head, allow_slow=allow_slow, kernel=weight_kernel,
+                                 prefill_dtype=weight_prefill_dtype)
     if model.lm_head is None and model.device.type == "cpu":
         model.tied_head_t()
     return model.eval()
@@ -178,7 +186,8 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weig
 def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "auto",
                 name: str | None = None, weights: str = "none", matmul: str = "auto",
                 weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto") -> LoadedModel:
+                allow_slow: bool = False, weight_kernel: str = "auto",
+                weight_prefill_dtype: str = "auto") -> LoadedModel:
     """A transformers model directory: config.json + *.safetensors. A folder converted
     from a GGUF (it holds a `source.json` record) is checked against what its conversion
     wrote, and rebuilt from its GGUF when it does not match (`_converted_state`)."""
@@ -186,7 +195,8 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
 
     path = Path(path)
     converted = (path / RECORD).is_file()
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel)  # the weight quantization options
+    # the weight quantization options
+    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
     raise_if(([] if converted else _plain_dir_problems(path))
              + model_option_problems(weights, matmul, dtype, device, **q))
     cfg = from_hf_config(AutoConfig.from_pretrained(path))
@@ -459,8 +469,10 @@ def _rebuild_source(out: Path, problem: str) -> Path:
 def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
               name: str | None = None, weights: str = "none", matmul: str = "auto",
               weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto") -> LoadedModel:
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel)  # the weight quantization options
+                allow_slow: bool = False, weight_kernel: str = "auto",
+                weight_prefill_dtype: str = "auto") -> LoadedModel:
+    # the weight quantization options
+    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
     raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the conversion
     return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul, **q)
 
@@ -485,8 +497,10 @@ def package_file(package: str, file: str | None = None) -> Path:
 def load_package_gguf(package: str, file: str | None = None, dtype: str = "float32",
                       device: str | None = "auto", name: str | None = None, weights: str = "none",
                       matmul: str = "auto", weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto") -> LoadedModel:
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel)  # the weight quantization options
+                allow_slow: bool = False, weight_kernel: str = "auto",
+                weight_prefill_dtype: str = "auto") -> LoadedModel:
+    # the weight quantization options
+    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
     raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the file is assembled
     return load_gguf(package_file(package, file), dtype, device, name, weights, matmul, **q)
 

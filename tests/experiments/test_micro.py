@@ -132,6 +132,10 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     assert fp32["vs_fp32"] == 1.0 and hf["vs_transformers"] == 1.0
     assert all(r["decode_tok_s"] > 0 for r in by.values()) and "decode_tok_s" not in control
     assert all(r["vs_llama_cpp"] is None for r in by.values())  # a random model: no GGUF for llama.cpp
+    from decodelab.models.quantize import cpu_has_amx_bf16
+
+    assert fp32["prefill_dtype"] is None and by["int8"]["prefill_dtype"] == by["int4+head compiled"]["prefill_dtype"] \
+        == ("bfloat16" if cpu_has_amx_bf16() else "float32")  # auto: bf16 products where the CPU has AMX
     # TTFT: each prefill path (compiled steps prefill eagerly: none of their own), paired with fp32's
     ttft = [r for r in rows if "ttft_ms" in r]
     assert [r["system"] for r in ttft] == ["fp32", "int8", "int4+head", "transformers-fp32", "fp32 (control)"]
@@ -146,9 +150,12 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(SetupError) as e:
-        micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0", "weight_kernels=[fast]")
+        micro(tmp_path, "part=weights", "weight_types=[int3]", "weight_group_size=0", "weight_kernels=[fast]",
+              "weight_prefill_dtypes=[fp16,auto,auto]")
     assert "weight_types: 'int3'" in str(e.value) and "weight_group_size must be a positive integer" in str(e.value)
     assert "weight_kernels: each must be one of ['auto', 'native', 'torch'], got 'fast'" in str(e.value)
+    assert "weight_prefill_dtypes: each must be one of ['auto', 'float32', 'bfloat16']" in str(e.value)
+    assert "got 'fp16'" in str(e.value) and "weight_prefill_dtypes names a dtype twice" in str(e.value)
     with pytest.raises(SetupError, match="compare_llama_cpp must be auto, true or false, got 0"):
         micro(tmp_path, "part=weights", "compare_llama_cpp=0")
     with pytest.raises(SetupError) as e:
@@ -175,6 +182,16 @@ def test_weights_quality_names_each_kernel_when_several_are_compared(tmp_path):
     assert all(0 < r["mean_kl"] for r in rows)
     if len(rows) == 2:  # bf16 activations against int8-quantized ones: not the same numbers
         assert rows[0]["mean_kl"] != rows[1]["mean_kl"]
+
+
+def test_weights_quality_names_each_prefill_dtype_when_several_are_compared(tmp_path):
+    """`weight_prefill_dtypes=[float32,bfloat16]`: every weight type with its prompt
+    prefilled by fp32 and by bf16 products, named apart; the bf16 one differs, a little."""
+    rows = micro(tmp_path, "part=weights_quality", "prompts=1", "forced_tokens=8", "weight_types=[int8]",
+                 "weight_prefill_dtypes=[float32,bfloat16]", "compare_transformers=false")
+    assert [r["system"] for r in rows] == ["ours int8 prefill float32", "ours int8 prefill bfloat16"]
+    kl = [r["mean_kl"] for r in rows]
+    assert 0 < kl[0] != kl[1] > 0 and abs(kl[0] - kl[1]) < 0.5 * kl[0]
 
 
 def test_weights_quality_part_against_fp32_ours_and_transformers(tmp_path):

@@ -26,7 +26,7 @@ def test_torchs_kernel_computes_quantos_quantization(weights, group):
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(192, 96, generator=g)  # [in, out], the Proj layout
-    p = QuantProj(w, None, weights, group, kernel="torch")
+    p = QuantProj(w, None, weights, group, kernel="torch", prefill_dtype="float32")
     wt = w.t().contiguous()  # [out, in]
     if weights == "int8":
         ref = WeightQBytesTensor.quantize(wt, qint8, 0, absmax_scale(wt, qint8, axis=0)).dequantize().t()
@@ -92,7 +92,7 @@ def test_the_native_kernel_computes_quantos_quantization(weights, group, n_out):
     many-row path (a prefill) through the dequantized weight."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(192, n_out, generator=g)  # [in, out], the Proj layout
-    p = QuantProj(w, None, weights, group, kernel="native")
+    p = QuantProj(w, None, weights, group, kernel="native", prefill_dtype="float32")
     assert p.kernel == f"native-{weights}"
     ref = _quanto_reference(w, weights, group)
     deq = p.dequantized()
@@ -120,12 +120,64 @@ def test_the_native_many_row_path_dequantizes_in_blocks(monkeypatch):
     block of output rows through the shared buffer, equal to the whole weight's product."""
     g = torch.Generator().manual_seed(1)
     for weights, group in (("int8", None), ("int4", 64)):
-        p = QuantProj(torch.randn(128, 80, generator=g), None, weights, group, kernel="native")
+        p = QuantProj(torch.randn(128, 80, generator=g), None, weights, group, kernel="native",
+                      prefill_dtype="float32")
         x = torch.randn(p.max_kernel_rows + 3, 128, generator=g)
         want = x @ p.dequantized()
         monkeypatch.setattr(QuantProj, "DEQUANT_BLOCK", 128 * 24)  # 24 rows a block: 4 blocks, the last of 8
         torch.testing.assert_close(p(x), want, rtol=1e-5, atol=1e-5)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("weights,group", [("int8", None), ("int4", 64)])
+@pytest.mark.parametrize("block_rows", [None, 24])
+def test_bf16_prefill_products_stay_within_bf16_rounding(monkeypatch, kernel, weights, group, block_rows):
+    """prefill_dtype=bfloat16: many-row products in bf16 (the AMX path), returned in fp32,
+    within bf16 rounding of the fp32 product of the same dequantized weight (int8: the
+    codes exact, the scales applied in fp32), whole or block by block; products the kernel
+    takes (decode rows) unchanged."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(128, 80, generator=g)
+    p32 = QuantProj(w, None, weights, group, kernel=kernel, prefill_dtype="float32")
+    pbf = QuantProj(w, None, weights, group, kernel=kernel, prefill_dtype="bfloat16")
+    assert p32.prefill_dtype is None and pbf.prefill_dtype == torch.bfloat16
+    assert "prefill in bfloat16" in repr(pbf)
+    x = torch.randn(pbf.max_kernel_rows + 5, 128, generator=g)
+    if block_rows:
+        monkeypatch.setattr(QuantProj, "DEQUANT_BLOCK", 128 * block_rows)  # 4 blocks, the last of 8 rows
+    exact = x.double() @ p32.dequantized().double()
+    got, fp32 = pbf(x), p32(x)
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], 80)
+    assert not torch.equal(got, fp32)  # it did run in bf16
+    err = (got.double() - exact).abs().max() / exact.abs().max()
+    assert err < 2 ** -7, err  # x and the product each rounded to bf16 (2^-9 relative), weights as dequantized
+    assert (fp32.double() - exact).abs().max() / exact.abs().max() < 1e-5
+    few = x[:3]
+    assert torch.equal(pbf(few), p32(few))  # the kernels' rows do not depend on the option
+
+
+def test_the_prefill_dtype_option(monkeypatch):
+    """auto: bf16 where the CPU has AMX-BF16, else the activations' dtype; recorded on the
+    model; an unknown value refused before quantizing, naming the choices."""
+    from decodelab.models.loading import model_option_problems
+
+    w = torch.randn(128, 80)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "amx_tile", "amx_bf16"})
+    assert QuantProj(w, None, "int8", kernel="torch").prefill_dtype == torch.bfloat16
+    full = random_model(TINY["llama"], device="cpu").model
+    assert quantize_weights(full, "int8").weight_quantization["prefill_dtype"] == "bfloat16"
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert QuantProj(w, None, "int8", kernel="torch").prefill_dtype is None
+    assert quantize_weights(full, "int8").weight_quantization["prefill_dtype"] == "float32"
+    assert quantize_weights(full, "int4", prefill_dtype="bfloat16").weight_quantization["prefill_dtype"] == "bfloat16"
+    with pytest.raises(SetupError, match=r"model.weight_prefill_dtype must be one of \['auto', 'float32', "
+                                         r"'bfloat16'\].*got 'fp16'"):
+        quantize_weights(full, "int8", prefill_dtype="fp16")
+    p = model_option_problems("int8", weight_prefill_dtype="half", key="draft.model")
+    assert p and "draft.model.weight_prefill_dtype" in p[0]
+    with pytest.raises(SetupError, match="weight_prefill_dtype"):
+        random_model(TINY["llama"], device="cpu", weights="int8", weight_prefill_dtype="half")
 
 
 def test_native_refusals_name_the_problem_and_the_fix(monkeypatch):
