@@ -12,8 +12,9 @@ own int8 here. These kernels stream the codes once per product and compute:
   channels) against activations quantized to int8 per 32 input channels (absmax / 127,
   round to nearest even), as llama.cpp's Q8 activations: integer dot products per block
   (`vpmaddubsw`), scaled in fp32; the shifts meet the exact fp32 sums of x per group;
-- dequantization of either to fp32 (`int8_dequant`, `int4_dequant`), for products of many
-  rows (a prefill), which then multiply in fp32.
+- dequantization of either to fp32 (`int8_dequant`, `int4_dequant`; int4 also straight to
+  bf16), for products of many rows (a prefill), which then multiply in fp32 or bf16
+  (models/quantize.py, `prefill_dtype`).
 
 Rows (the product's M) are independent: a row's result does not depend on how many rows
 share the call. Threads: OpenMP, linked against the libgomp torch itself loaded (one pool,
@@ -372,16 +373,24 @@ void dl_int8_dequant(const int8_t* w, const float* scale, int64_t K, int64_t o0,
     }
 }
 
-/* out[n, K] (fp32) = rows o0 .. o0 + n of the int4 weight: code * scale + shift */
+/* 8 floats to bf16, rounded to nearest even (as torch's conversion, finite values) */
+static inline __m128i bf16_8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+/* out[n, K] = rows o0 .. o0 + n of the int4 weight: code * scale + shift, in fp32 (out32)
+   or, where out32 is NULL, in bf16 (out16) */
 void dl_int4_dequant(const uint8_t* nib, const float* scale, const float* shift, int64_t g, int64_t K, int64_t o0,
-                     int64_t n, float* out) {
+                     int64_t n, float* out32, uint16_t* out16) {
     int64_t G = K / g;
     const __m128i mask = _mm_set1_epi8(0x0F);
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; r++) {
         int64_t o = o0 + r;
         const uint8_t* wr = nib + o * (K / 2);
-        float* orow = out + r * K;
         for (int64_t b = 0; b < K / 32; b++) {
             int64_t j = b * 32 / g;
             __m256 s = _mm256_set1_ps(scale[o * G + j]), t = _mm256_set1_ps(shift[o * G + j]);
@@ -389,8 +398,10 @@ void dl_int4_dequant(const uint8_t* nib, const float* scale, const float* shift,
             __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
             __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
             for (int q = 0; q < 4; q++) {
-                __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q]));
-                _mm256_storeu_ps(orow + b * 32 + q * 8, _mm256_fmadd_ps(c, s, t));
+                __m256 c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[q])), s, t);
+                int64_t at = r * K + b * 32 + q * 8;
+                if (out32) _mm256_storeu_ps(out32 + at, c);
+                else _mm_storeu_si128((__m128i*)(out16 + at), bf16_8(c));
             }
         }
     }
@@ -407,7 +418,8 @@ int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, con
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
 int dl_decode_attn(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                    int64_t, int64_t, float, int64_t, float*);
-void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*,
+                     uint16_t*);
 }
 
 static at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
@@ -476,10 +488,20 @@ void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Ten
                   int64_t n, at::Tensor& out) {
     check_codes(nib, at::kByte, 32);
     check_groups(nib, scales, shifts, g);
-    check_out(out, o0, n, nib.size(0), nib.size(1) * 2);
+    int64_t k = nib.size(1) * 2;
+    bool bf16 = out.scalar_type() == at::kBFloat16;  // else float32 (check_out)
+    if (bf16) {
+        TORCH_CHECK(o0 >= 0 && n >= 0 && o0 + n <= nib.size(0), "decodelab native dequant: rows ", o0, "..", o0 + n,
+                    " outside [0, ", nib.size(0), ")");
+        TORCH_CHECK(out.is_contiguous() && out.numel() >= n * k,
+                    "decodelab native dequant: out must be a contiguous buffer of >= ", n * k, " elements");
+    } else {
+        check_out(out, o0, n, nib.size(0), k);
+    }
     auto sc = f32(scales), sh = f32(shifts);
-    dl_int4_dequant(nib.data_ptr<uint8_t>(), sc.data_ptr<float>(), sh.data_ptr<float>(), g, nib.size(1) * 2,
-                    o0, n, out.data_ptr<float>());
+    dl_int4_dequant(nib.data_ptr<uint8_t>(), sc.data_ptr<float>(), sh.data_ptr<float>(), g, k, o0, n,
+                    bf16 ? nullptr : out.data_ptr<float>(),
+                    bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr);
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
@@ -676,12 +698,15 @@ def int4_mm(x: torch.Tensor, nib: torch.Tensor, scales: torch.Tensor, shifts: to
 
 def dequantize_rows(weights: str, o0: int, n: int, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     shifts: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
-    """Rows o0 .. o0 + n of the weight [N, K] in fp32, written into `out` (>= n x K floats,
-    contiguous); returns that [n, K] view."""
+    """Rows o0 .. o0 + n of the weight [N, K] in `out`'s dtype (fp32; int4 also bf16,
+    rounded to nearest even), written into `out` (>= n x K elements, contiguous); returns
+    that [n, K] view."""
     ops = _ops()
     K = codes.shape[1] * (2 if weights == "int4" else 1)
-    if out.numel() < n * K or not out.is_contiguous() or out.dtype != torch.float32:
-        raise ValueError(f"dequantize_rows: out must be a contiguous float32 buffer of >= {n * K} floats")
+    dtypes = (torch.float32, torch.bfloat16) if weights == "int4" else (torch.float32,)
+    if out.numel() < n * K or not out.is_contiguous() or out.dtype not in dtypes:
+        raise ValueError(f"dequantize_rows: out must be a contiguous buffer of >= {n * K} elements of "
+                         f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)}")
     if weights == "int8":
         ops.int8_dequant(codes, scales, o0, n, out)
     else:

@@ -277,7 +277,7 @@ class QuantProj(nn.Module):
 
         xf = x2.to(torch.bfloat16) if bf16 else x2.float()
         rows = max(1, min(self.n_out, self.DEQUANT_BLOCK // self.n_in))
-        buf = _scratch(rows * self.n_in)
+        buf = None if bf16 else _scratch(rows * self.n_in)
         args = (self.codes, self.scales, getattr(self, "shifts", None), self.group_size)
 
         def block(o0: int, n: int) -> torch.Tensor:  # rows o0 .. o0 + n of the weight [n, in] in xf's dtype
@@ -286,7 +286,7 @@ class QuantProj(nn.Module):
             wb = _scratch(n * self.n_in, torch.bfloat16).view(-1)[: n * self.n_in].view(n, self.n_in)
             if self.weights == "int8":  # the codes exactly; the scales apply to the fp32 product
                 return wb.copy_(self.codes[o0:o0 + n])
-            return wb.copy_(dequantize_rows(self.weights, o0, n, buf, *args))
+            return dequantize_rows(self.weights, o0, n, wb, *args)  # straight to bf16
 
         def product(o0: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
             w = block(o0, n)

@@ -129,6 +129,30 @@ def test_the_native_many_row_path_dequantizes_in_blocks(monkeypatch):
         monkeypatch.undo()
 
 
+@needs_native
+def test_native_int4_dequantizes_straight_to_bf16_as_torch_rounds():
+    """int4 rows dequantized into a bf16 buffer: bit-equal to the fp32 rows rounded by
+    torch (nearest even), on quanto's codes and on values built to fall on rounding ties
+    (1 + code / 256 with scale 2^-8, shift 1: every odd code is halfway between two bf16
+    values); int8 takes fp32 only."""
+    g = torch.Generator().manual_seed(3)
+    p = QuantProj(torch.randn(128, 40, generator=g), None, "int4", 32, kernel="native")
+    codes = torch.arange(16, dtype=torch.int32).repeat(6, 8)  # [6, 128]
+    ones = torch.ones(6, 4)
+    for nib, scales, shifts, rows in ((p.codes, p.scales, p.shifts, 30),
+                                      (native.pack_int4(codes), ones * 2 ** -8, ones, 6)):
+        args = (nib, scales, shifts, 32)
+        f32 = native.dequantize_rows("int4", 0, rows, torch.empty(rows * 128), *args)
+        bf = native.dequantize_rows("int4", 0, rows, torch.empty((rows + 1) * 128, dtype=torch.bfloat16), *args)
+        assert bf.dtype == torch.bfloat16 and bf.shape == (rows, 128)
+        assert torch.equal(bf.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(f32[0, :16], 1 + torch.arange(16) / 256)  # the ties were there to round
+    assert bf[0, 1] == 1.0 and bf[0, 3] == 1 + 2 ** -6  # 1 + 1/256 -> 1 (even), 1 + 3/256 -> 1 + 4/256
+    q8 = QuantProj(torch.randn(128, 40, generator=g), None, "int8", kernel="native")
+    with pytest.raises(ValueError, match="float32"):
+        native.dequantize_rows("int8", 0, 4, torch.empty(4 * 128, dtype=torch.bfloat16), q8.codes, q8.scales)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("weights,group", [("int8", None), ("int4", 64)])
 @pytest.mark.parametrize("block_rows", [None, 24])
