@@ -136,9 +136,15 @@ def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
     own_weights = [n for n in composed if _sets_weights(n)]
     for o in values:  # the command line's weight options would replace what those setups quantize
         key = o.key_or_group
-        if own_weights and key.startswith("model.") and key[len("model."):] in WEIGHT_KEYS:
-            reasons.append(f"{o.input_line}: setups {own_weights} choose their own weights, which this would replace "
-                           "(and it would quantize the reference too); drop it, or leave those setups out")
+        k = key[len("model."):] if key.startswith("model.") else None
+        if not own_weights or k not in WEIGHT_KEYS:
+            continue
+        setting = [n for n in own_weights if _sets_weights(n, k)]
+        if k in HOW_KEYS and not setting:
+            continue  # how those setups' weights compute, which they leave open (the reference is not quantized)
+        reasons.append(f"{o.input_line}: setups {setting or own_weights} choose their own weights, which this would "
+                       "replace" + ("" if k in HOW_KEYS else " (and it would quantize the reference too)")
+                       + "; drop it, or leave those setups out")
     for o in values:  # a plain key=value Hydra has already matched against agree's own groups
         added = o.is_add() or o.is_force_add()
         if added and known and not any(has_key(c, o.key_or_group) for c in composed.values()):
@@ -162,16 +168,20 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
 
 #: the model options that quantize weights: a setup (conf/setup/int8-weights.yaml) may set them
 WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow", "weight_kernel", "weight_prefill_dtype")
+#: of those, the ones that say how the quantized weights compute, not what they are: the
+#: command line may set them for the setups that leave them open
+HOW_KEYS = ("weight_kernel", "weight_prefill_dtype")
 
 
 def _weights_of(model_cfg) -> dict:
     return {k: model_cfg.get(k) for k in WEIGHT_KEYS}
 
 
-def _sets_weights(name: str) -> bool:
-    """Whether conf/setup/<name>.yaml sets weight options of its own (int8-weights, ...)."""
+def _sets_weights(name: str, key: str | None = None) -> bool:
+    """Whether conf/setup/<name>.yaml sets weight options of its own (int8-weights, ...);
+    with `key`, that one."""
     model = OmegaConf.load(CONF_DIR / "setup" / f"{name}.yaml").get("model") or {}
-    return any(k in model for k in WEIGHT_KEYS)
+    return any(k in model for k in ([key] if key else WEIGHT_KEYS))
 
 
 def setup_models(cfg: DictConfig, composed: dict[str, DictConfig], lm) -> dict:

@@ -83,7 +83,8 @@ def kv_quality(cfg, lm, hf) -> list[dict]:
             per[name].append(compare(dense, fn(prompt, ref)))
         print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): " + ", ".join(
             f"{n} top1 {v[-1]['top1']:.3f} kl {v[-1]['kl']:.4f}" for n, v in per.items()), file=sys.stderr)
-    return [{"system": n, "prompts": len(v), "forced_tokens": cfg.forced_tokens,
+    return [{"system": n, "prefill_dtype": ours[n].weight_quantization["prefill_dtype"] if n in ours else None,
+             "prompts": len(v), "forced_tokens": cfg.forced_tokens,
              "top1_agreement": statistics.mean(x["top1"] for x in v), "mean_kl": statistics.mean(x["kl"] for x in v),
              "worst_prompt_top1": min(x["top1"] for x in v)} for n, v in per.items()]
 
@@ -424,8 +425,8 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
     tok = lm.tokenizer
     reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
                     min_reference_tokens=cfg.forced_tokens)(lm)
-    systems = {f"ours {name}": lambda p, r, m=m: decode_shaped_logits(m, p, r)
-               for name, m in weight_models(cfg, lm).items()}
+    ours = {f"ours {name}": m for name, m in weight_models(cfg, lm).items()}
+    systems = {name: lambda p, r, m=m: decode_shaped_logits(m, p, r) for name, m in ours.items()}
     if hf is not None:
         systems["transformers fp32"] = lambda p, r: hf_logits(hf, p, r)
         for kind in dict.fromkeys(w.split("+")[0] for w in cfg.weight_types):
@@ -442,7 +443,8 @@ def weights_quality(cfg, lm, hf) -> list[dict]:
             per[name].append(compare(fp32, logits))
         print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): " + ", ".join(
             f"{n} top1 {v[-1]['top1']:.3f}" for n, v in per.items()), file=sys.stderr)
-    return [{"system": n, "prompts": len(v), "forced_tokens": cfg.forced_tokens,
+    return [{"system": n, "prefill_dtype": ours[n].weight_quantization["prefill_dtype"] if n in ours else None,
+             "prompts": len(v), "forced_tokens": cfg.forced_tokens,
              "top1_vs_fp32": statistics.mean(x["top1"] for x in v), "mean_kl": statistics.mean(x["kl"] for x in v),
              "worst_prompt_top1": min(x["top1"] for x in v), "forward_ms_median": 1e3 * timers[n].median()}
             for n, v in per.items()]

@@ -496,6 +496,8 @@ void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Ten
         TORCH_CHECK(out.is_contiguous() && out.numel() >= n * k,
                     "decodelab native dequant: out must be a contiguous buffer of >= ", n * k, " elements");
     } else {
+        TORCH_CHECK(out.scalar_type() == at::kFloat, "decodelab native int4 dequant: out must be float32 or "
+                    "bfloat16, got ", out.scalar_type());
         check_out(out, o0, n, nib.size(0), k);
     }
     auto sc = f32(scales), sh = f32(shifts);

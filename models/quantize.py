@@ -22,20 +22,31 @@ a model option, `weight_kernel` (`KERNELS`), and declared per projection
   not divide) and output sizes divisible by 16. These are fast where the CPU has bf16
   arithmetic (AVX-512 BF16, AMX); without it they convert in software.
 - `auto` (default): `native` where it serves, else `torch`.
-Products of more than `QuantProj.max_kernel_rows` rows (16, native kernels 32: a prefill) dequantize the weight
-and multiply (in blocks of output rows through one reused buffer, so no full-size copy is
-made; inside a compiled step the native kernel takes every row count), in the dtype of the
-`prefill_dtype` option (`PREFILL_DTYPES`, the model option `weight_prefill_dtype`):
-- `float32`: the activations' dtype (an fp32 model: fp32 GEMMs, as its fp32 twin computes);
-- `bfloat16`: activations and dequantized weight in bf16, accumulated and returned in fp32
-  (int8 weights: the codes go to bf16 exactly, the per-channel scale applies to the fp32
-  output; int4: code x scale + shift rounded to bf16). oneDNN runs these GEMMs on AMX
-  tiles where the CPU has them: SmolLM2-135M's four layer projections at 256 rows on a
-  2-core Xeon with AMX, 1.0 ms against fp32's 5.7 ms. bf16 rounding (2^-9 relative) is
-  far below the int8/int4 rounding it adds to (tests/models/test_quantize.py bounds it);
-- `auto` (default): `bfloat16` where the CPU has AMX-BF16, else `float32`.
-The torch int4 path keeps its codes twice for that (the kernel's packed layout, and plain
-nibbles): 1 byte per weight.
+Products of more than `QuantProj.max_kernel_rows` rows (16, native kernels 32: a prefill,
+a batch of more rows) dequantize the weight and multiply (native: in blocks of output rows
+through one reused buffer per dtype, so no full-size copy is made; torch's path: the whole
+weight; inside a compiled step the native kernel takes every row count). For an fp32
+model the `prefill_dtype` option (`PREFILL_DTYPES`, the model option `weight_prefill_dtype`)
+picks what the layers' projections multiply in:
+- `float32`: fp32 GEMMs over the dequantized weight (what the fp32 model computes, with
+  the quantized weight);
+- `bfloat16`: activations and dequantized weight in bf16, products accumulated in fp32 by
+  oneDNN and then rounded to bf16 (torch's CPU matmul has no fp32 output for bf16 inputs)
+  and widened again: one 2^-9 relative rounding of each input and each output, small
+  beside the int8/int4 rounding itself (tests/models/test_quantize.py bounds it; the
+  teacher-forced figures in experiments/README.md, "Quantized weights", measure it).
+  Native int8: the codes go to bf16 exactly and the per-channel scales multiply the
+  widened product; native int4: code x scale + shift rounded to bf16 (dequantized
+  straight to bf16); torch's path: its dequantized weight computed in bf16. oneDNN runs
+  these GEMMs on AMX tiles where the CPU has them: SmolLM2-135M's four layer projections
+  at 256 rows on a 2-core Xeon with AMX, 1.0 ms against fp32's 5.7 ms;
+- `auto` (default): `bfloat16` where the CPU has AMX-BF16 (and torch's oneDNN is on), else
+  `float32`.
+The LM head multiplies in fp32 either way: a bf16 output would round logits to 8
+significant bits (a logit of 20 to steps of 0.125), making ties of near ties. A model in
+another dtype multiplies as before (native: fp32; torch's path: the model's dtype). The
+torch int4 path keeps its codes twice for the dequantized product (the kernel's packed
+layout, and plain nibbles): 1 byte per weight.
 
 A case without a fast kernel (another device, a group size or shape no kernel takes) is
 refused before the model is quantized, naming the fix; `allow_slow=True` runs it with
@@ -62,15 +73,17 @@ PREFILL_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX tiles with bf16 arithmetic (Linux: /proc/cpuinfo)."""
+    """Whether this CPU has AMX tiles with bf16 arithmetic (Linux: /proc/cpuinfo) and
+    torch's oneDNN, which runs bf16 GEMMs on them, is available and enabled."""
     from decodelab.models.native import _cpu_flags
 
-    return {"amx_bf16", "amx_tile"} <= _cpu_flags()
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    return onednn and {"amx_bf16", "amx_tile"} <= _cpu_flags()
 
 
 def resolve_prefill_dtype(option: str = "auto") -> torch.dtype | None:
-    """The dtype many-row products of quantized weights compute in: bf16, or None (the
-    activations' own dtype), for an option that `weight_option_problems` accepts."""
+    """The dtype many-row products of an fp32 model's quantized weights compute in: bf16,
+    or None (fp32), for an option that `weight_option_problems` accepts."""
     if option == "auto":
         return torch.bfloat16 if cpu_has_amx_bf16() else None
     return torch.bfloat16 if option == "bfloat16" else None
@@ -187,8 +200,11 @@ class QuantProj(nn.Module):
                  group_size: int | None = None, kernel: str = "auto", prefill_dtype: str = "auto"):
         super().__init__()
         raise_if(weight_option_problems(weights, group_size, kernel=kernel, prefill_dtype=prefill_dtype))
-        #: what many-row products compute in (None: the activations' dtype; module docstring)
-        self.prefill_dtype = resolve_prefill_dtype(prefill_dtype)
+        #: what many-row products of fp32 activations compute in (None: fp32; module docstring);
+        #: a model in another dtype multiplies as before
+        fp32 = weight_in_out.dtype == torch.float32
+        self.prefill_dtype = resolve_prefill_dtype(prefill_dtype) if fp32 else None
+        self._fp32 = fp32
         from optimum.quanto import MaxOptimizer, absmax_scale, qint4, qint8, ungroup
         from optimum.quanto.tensor.weights import WeightQBitsTensor, WeightQBytesTensor
 
@@ -226,8 +242,8 @@ class QuantProj(nn.Module):
                 self.register_buffer("nibbles", (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    #: products of more rows than this (a prefill) dequantize the weight and multiply in the
-    #: activations' dtype instead: the kernels' cost grows with the rows (torch's packed ones
+    #: products of more rows than this (a prefill) dequantize the weight and multiply
+    #: (`prefill_dtype`) instead: the kernels' cost grows with the rows (torch's packed ones
     #: on a CPU without bf16 arithmetic: 576 x 3072 on 2 AVX2 cores equal to fp32 at 16
     #: rows, 2-3x its cost at 256), while dequantizing costs about one 16-row product
     MAX_KERNEL_ROWS = 16
@@ -237,11 +253,12 @@ class QuantProj(nn.Module):
     #: int4 0.92x fp32's against 1.35x, 1.26x dequantized); at 64 rows and more fp32's GEMM wins
     MAX_NATIVE_ROWS = 32
     #: the native path dequantizes many-row products in blocks of output rows of at most
-    #: this many weights (fp32: 32 MiB), through one buffer shared by all projections: every
-    #: projection of a small model but its head is one block, multiplied by one GEMM straight
-    #: into the output (on a Zen 3, 256 rows: dequantize + GEMM 0.97-1.00x fp32's GEMM alone,
-    #: where blocks of 2^19 weights, each a GEMM into a copied slice, cost 1.10-1.22x); larger
-    #: weights go in blocks whose GEMMs write their columns of the output in place
+    #: this many weights (fp32: 32 MiB), through one buffer per dtype shared by all
+    #: projections: every projection of a small model but its head is one block, multiplied
+    #: by one GEMM straight into the output (on a Zen 3, 256 rows: dequantize + GEMM
+    #: 0.97-1.00x fp32's GEMM alone, where blocks of 2^19 weights, each a GEMM into a copied
+    #: slice, cost 1.10-1.22x); larger weights go in blocks whose fp32 GEMMs write their
+    #: columns of the output in place (bf16 ones: widened, then copied in)
     DEQUANT_BLOCK = 1 << 23
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,8 +284,9 @@ class QuantProj(nn.Module):
         return self.MAX_NATIVE_ROWS if self.kernel.startswith("native") else self.MAX_KERNEL_ROWS
 
     def _dequantized_product(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [rows, in] @ the dequantized weight, in `prefill_dtype` (module docstring),
-        returned in fp32 from the native path, else in the activations' dtype."""
+        """x2 [rows, in] @ the dequantized weight, in `prefill_dtype` where the activations
+        are fp32 (module docstring); returned in fp32 from the native path, else in the
+        activations' dtype."""
         bf16 = self.prefill_dtype == torch.bfloat16 and x2.dtype == torch.float32
         if not self.kernel.startswith("native"):
             dt = torch.bfloat16 if bf16 else x2.dtype
@@ -324,8 +342,8 @@ class QuantProj(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.weights == "int4" else ""
-        pre = str(self.prefill_dtype or "activations' dtype").replace("torch.", "")
-        return f"{self.n_in} -> {self.n_out}, {self.weights}{g}, kernel={self.kernel}, prefill in {pre}"
+        pre = ", prefill in " + ("bfloat16" if self.prefill_dtype else "float32") if self._fp32 else ""
+        return f"{self.n_in} -> {self.n_out}, {self.weights}{g}, kernel={self.kernel}{pre}"
 
 
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
@@ -391,14 +409,16 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
                 q.lm_head = lin
                 slow.append("lm_head")
             else:
-                q.lm_head = QuantProj(w, b, weights, g, kernel, prefill_dtype)
+                q.lm_head = QuantProj(w, b, weights, g, kernel, "float32")  # logits stay fp32 (module docstring)
     if slow:  # allowed explicitly (weight_problems refused it otherwise): quanto's modules
         from optimum.quanto import freeze, qint4, qint8, quantize
 
         quantize(q, weights={"int8": qint8, "int4": qint4}[weights])
         freeze(q)
     q._head_t = None
-    pre = str(resolve_prefill_dtype(prefill_dtype) or q.dtype).replace("torch.", "")  # what prefills compute in
+    # what the layers' many-row products compute in (the head: fp32); None: not an fp32 model, as before
+    pre = str(resolve_prefill_dtype(prefill_dtype) or torch.float32).replace("torch.", "") \
+        if q.dtype == torch.float32 else None
     q.weight_quantization = {"weights": weights, "group_size": g if weights == "int4" else None,
                              "quantize_head": quantize_head, "slow": slow, "kernel": kernel,
                              "prefill_dtype": pre,

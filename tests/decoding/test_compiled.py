@@ -298,7 +298,8 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
     step still sends to them; int8, whose kernel computes what the dequantized product does)."""
     from decodelab.models.quantize import quantize_weights
 
-    model = quantize_weights(tiny_llama.model, weights, quantize_head=True, kernel="native")
+    # (fp32 many-row products: the eager 33-row steps must compute what the kernel does)
+    model = quantize_weights(tiny_llama.model, weights, quantize_head=True, kernel="native", prefill_dtype="float32")
     assert model.weight_quantization["kernels"] == [f"native-{weights}"]
     want = _gen(model, None, greedy(), False, n=12)
     got = _gen(model, None, greedy(), True, n=12)

@@ -151,6 +151,27 @@ def test_command_line_weights_cannot_replace_a_weights_setups_own(tmp_path, caps
     assert "leave those setups out" in err
 
 
+def test_command_line_says_how_a_weights_setups_weights_compute(tmp_path, monkeypatch):
+    """model.weight_prefill_dtype / weight_kernel: how the quantized copies compute, which
+    the weights setups leave open: the command line sets them for those copies (the
+    reference stays fp32)."""
+    import decodelab.experiments.agree as agree_mod
+
+    made = []
+    real = agree_mod.setup_models
+
+    def spy(cfg, composed, lm):
+        out = real(cfg, composed, lm)
+        made.extend(m.weight_quantization for m in out.values() if hasattr(m, "weight_quantization"))
+        return out
+
+    monkeypatch.setattr(agree_mod, "setup_models", spy)
+    code, doc = agree(tmp_path, *TINY_LLAMA, "workload.lengths=[40]", "forced_tokens=8", "free_tokens=2",
+                      "model.weight_prefill_dtype=bfloat16", "model.weight_kernel=torch", "setups=[dense,int8-weights]")
+    assert code in (0, 1) and rows(doc)["dense"]["max_abs_dlogit"] <= 1e-4  # the reference is not quantized
+    assert [(w["prefill_dtype"], w["kernel"]) for w in made] == [("bfloat16", "torch")]
+
+
 def test_an_impossible_threshold_exits_1(tmp_path):
     p = cli(*TINY_LLAMA, *INT4_SMALL, "workload.lengths=[100]", "forced_tokens=16", "free_tokens=0",
             "setups=[int4]", "agreement.max_abs_dlogit=1e-9", f"hydra.run.dir={tmp_path}")

@@ -190,6 +190,7 @@ def test_weights_quality_names_each_prefill_dtype_when_several_are_compared(tmp_
     rows = micro(tmp_path, "part=weights_quality", "prompts=1", "forced_tokens=8", "weight_types=[int8]",
                  "weight_prefill_dtypes=[float32,bfloat16]", "compare_transformers=false")
     assert [r["system"] for r in rows] == ["ours int8 prefill float32", "ours int8 prefill bfloat16"]
+    assert [r["prefill_dtype"] for r in rows] == ["float32", "bfloat16"]
     kl = [r["mean_kl"] for r in rows]
     assert 0 < kl[0] != kl[1] > 0 and abs(kl[0] - kl[1]) < 0.5 * kl[0]
 

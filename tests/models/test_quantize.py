@@ -194,7 +194,13 @@ def test_the_prefill_dtype_option(monkeypatch):
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     assert QuantProj(w, None, "int8", kernel="torch").prefill_dtype is None
     assert quantize_weights(full, "int8").weight_quantization["prefill_dtype"] == "float32"
-    assert quantize_weights(full, "int4", prefill_dtype="bfloat16").weight_quantization["prefill_dtype"] == "bfloat16"
+    q = quantize_weights(full, "int4", prefill_dtype="bfloat16", quantize_head=True)
+    assert q.weight_quantization["prefill_dtype"] == "bfloat16"
+    assert q.layers[0].mlp.w_down.prefill_dtype == torch.bfloat16 and q.lm_head.prefill_dtype is None  # logits in fp32
+    assert "prefill in float32" in repr(q.lm_head)
+    half = random_model(TINY["llama"], device="cpu", dtype="bfloat16").model  # the option applies to fp32 models
+    hq = quantize_weights(half, "int8", prefill_dtype="bfloat16", kernel="torch")
+    assert hq.weight_quantization["prefill_dtype"] is None and hq.layers[0].mlp.w_down.prefill_dtype is None
     with pytest.raises(SetupError, match=r"model.weight_prefill_dtype must be one of \['auto', 'float32', "
                                          r"'bfloat16'\].*got 'fp16'"):
         quantize_weights(full, "int8", prefill_dtype="fp16")
