@@ -32,7 +32,7 @@ picks what the layers' projections multiply in:
   the quantized weight);
 - `bfloat16`: activations and dequantized weight in bf16, products accumulated in fp32 by
   oneDNN and then rounded to bf16 (torch's CPU matmul has no fp32 output for bf16 inputs)
-  and widened again: one 2^-9 relative rounding of each input and each output, small
+  and widened again: one rounding (at most 2^-8 relative) of each input and each output, small
   beside the int8/int4 rounding itself (tests/models/test_quantize.py bounds it; the
   teacher-forced figures in experiments/README.md, "Quantized weights", measure it).
   Native int8: the codes go to bf16 exactly and the per-channel scales multiply the
