@@ -388,6 +388,7 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
     if weights == "int4" and g is None:
         g = default_group([n for n, _ in projections(model.cfg, quantize_head).values()])
     q = deepcopy(model) if copy else model
+    pre_option = "bfloat16" if resolve_prefill_dtype(prefill_dtype) else "float32"  # `auto` read off the CPU once
     slow = []
     with torch.no_grad():
         for module in list(q.modules()):
@@ -399,7 +400,7 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
                     setattr(module, name, _as_linear(child))
                     slow.append(name)
                 else:
-                    setattr(module, name, QuantProj(child.weight, child.bias, weights, g, kernel, prefill_dtype))
+                    setattr(module, name, QuantProj(child.weight, child.bias, weights, g, kernel, pre_option))
         if quantize_head:
             w = q.embed.weight.t() if q.lm_head is None else q.lm_head.weight  # [dim, vocab]
             b = None if q.lm_head is None else q.lm_head.bias
@@ -417,8 +418,7 @@ def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size
         freeze(q)
     q._head_t = None
     # what the layers' many-row products compute in (the head: fp32); None: not an fp32 model, as before
-    pre = str(resolve_prefill_dtype(prefill_dtype) or torch.float32).replace("torch.", "") \
-        if q.dtype == torch.float32 else None
+    pre = pre_option if q.dtype == torch.float32 else None
     q.weight_quantization = {"weights": weights, "group_size": g if weights == "int4" else None,
                              "quantize_head": quantize_head, "slow": slow, "kernel": kernel,
                              "prefill_dtype": pre,
