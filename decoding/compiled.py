@@ -160,6 +160,8 @@ def native_attention_serves(cache) -> bool:
         return False
     from decodelab.models import native
 
+    if native.problem():
+        native.note_fallback("compiled decode steps' attention")
     return native.problem() is None
 
 

@@ -146,6 +146,8 @@ def emit(cfg: DictConfig, result, conditions: dict, streamed: bool) -> None:
     elif not streamed:
         print(result.text[0], end="", flush=True)
     report(result)
+    if conditions.get("weight_kernel"):
+        print(f"weights: {conditions['weights']} through {conditions['weight_kernel']}", file=sys.stderr)
     if result.stats:
         log.info("decoder statistics: %s", result.stats)
     log.info("conditions: %s", conditions)

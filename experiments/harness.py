@@ -61,7 +61,9 @@ def _git(*args: str) -> str:
 
 
 def run_conditions(model=None) -> dict:
-    """Hardware, threads, versions and git revision, recorded with every figure."""
+    """Hardware, threads, versions and git revision, recorded with every figure; with a
+    model, its dtype, device, matmul and the kernels that compute its quantized weights
+    (`weight_kernel`: `native-int8`, `_weight_int8pack_mm`, ...; None for unquantized ones)."""
     versions = {}
     for pkg in ("torch", "transformers", "optimum-quanto", "triton", "llama-cpp-python"):
         try:
@@ -76,8 +78,10 @@ def run_conditions(model=None) -> dict:
         cond |= {"sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1),
                  "cuda_runtime": torch.version.cuda}
     if model is not None:
+        wq = getattr(model, "weight_quantization", None) or {}
         cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
-                    matmul=getattr(model, "matmul", None))
+                    matmul=getattr(model, "matmul", None), weights=wq.get("weights", "none"),
+                    weight_kernel=",".join(wq.get("kernels") or []) or None)
     return cond
 
 

@@ -22,7 +22,8 @@ share the call. Threads: OpenMP, linked against the libgomp torch itself loaded 
 eager code and run inside a torch.compile graph as opaque calls (fake impls give their
 shapes). The library is built once per source, torch and compiler into
 `$DECODELAB_CACHE/kernels/` (default ~/.cache/decodelab/kernels; about a minute on 2
-cores, most of it torch's headers). `problem()` says why the kernels cannot serve here
+cores, most of it torch's headers), checked before every load and rebuilt when damaged
+(models/native_build.py). `problem()` says why the kernels cannot serve here
 (None when they can); nothing in this module builds anything until it is called.
 
 int4 codes are stored per block of 32 input channels as 16 bytes, byte j holding channel
@@ -36,10 +37,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+
+from decodelab.models import native_build
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -551,6 +553,7 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
 _C_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 _problem: str | None = None
 _checked = False
+_library: Path | None = None
 
 
 def _cpu_flags() -> set[str]:
@@ -580,12 +583,27 @@ def _build_commands(cc: str, cxx: str, tmp: Path) -> list[list[str]]:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     return [[cc, *_C_FLAGS, "-c", str(tmp / "kernels.c"), "-o", str(tmp / "kernels.o")],
             [cxx, "-O2", "-std=c++17", "-fPIC", "-shared", abi, *[f"-I{p}" for p in include_paths()],
-             str(tmp / "shim.cpp"), str(tmp / "kernels.o"), "-o", str(tmp / "lib.so"), f"-L{lib}", "-lc10",
-             "-ltorch_cpu", "-ltorch", *gomp, f"-Wl,-rpath,{lib}"]]
+             str(tmp / "shim.cpp"), str(tmp / "kernels.o"), "-o", str(tmp / native_build.LIBRARY), f"-L{lib}",
+             "-lc10", "-ltorch_cpu", "-ltorch", *gomp, f"-Wl,-rpath,{lib}"]]
+
+
+def _compile(cc: str, cxx: str, tmp: Path) -> str | None:
+    """Write the sources into `tmp` and build `tmp/<native_build.LIBRARY>`; None, or why not."""
+    (tmp / "kernels.c").write_text(SOURCE)
+    (tmp / "shim.cpp").write_text(SHIM)
+    for cmd in _build_commands(cc, cxx, tmp):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            return (f"cannot run the compiler {cmd[0]!r} to build decodelab's native kernels ({e}); "
+                    "set CC / CXX to a working C / C++ compiler, or install gcc and g++")
+        if r.returncode:
+            return f"building decodelab's native kernels failed ({cmd[0]}): {r.stderr.strip()[-600:]}"
+    return None
 
 
 def _build() -> None:
-    global _problem, _checked
+    global _problem, _checked, _library
     _checked = True
     if os.uname().machine not in ("x86_64", "AMD64"):
         _problem = f"decodelab's native kernels are x86 (AVX2) code; this machine is {os.uname().machine}"
@@ -603,34 +621,14 @@ def _build() -> None:
         return
     cmds = _build_commands(cc, cxx, Path("TMP"))
     key = hashlib.sha256("\n".join([SOURCE, SHIM, torch.__version__, *map(" ".join, cmds)]).encode()).hexdigest()[:16]
-    out = _build_dir() / key / "libdecodelab_kernels.so"
-    if not out.is_file():
-        print(f"decodelab: building the native int8/int4 kernels into {out.parent} (once; about a minute)",
-              file=sys.stderr, flush=True)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                tmp = Path(tmp)
-                (tmp / "kernels.c").write_text(SOURCE)
-                (tmp / "shim.cpp").write_text(SHIM)
-                for cmd in _build_commands(cc, cxx, tmp):
-                    try:
-                        r = subprocess.run(cmd, capture_output=True, text=True)
-                    except OSError as e:
-                        _problem = (f"cannot run the compiler {cmd[0]!r} to build decodelab's native kernels ({e}); "
-                                    "set CC / CXX to a working C / C++ compiler, or install gcc and g++")
-                        return
-                    if r.returncode:
-                        _problem = (f"building decodelab's native kernels failed ({cmd[0]}): "
-                                    f"{r.stderr.strip()[-600:]}")
-                        return
-                os.replace(tmp / "lib.so", out)  # atomic: a concurrent build writes the same bytes
-        except OSError as e:
-            _problem = (f"cannot build decodelab's native kernels into {out.parent} ({e}); set DECODELAB_CACHE to a "
-                        "writable folder")
-            return
+    folder = _build_dir() / key
+    _problem = native_build.ready(folder, lambda tmp: _compile(cc, cxx, tmp))
+    if _problem is not None:
+        return
+    out = folder / native_build.LIBRARY
     try:
         torch.ops.load_library(str(out))
+        _library = out
         torch.library.register_fake("decodelab::int8_mm")(
             lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int4_mm")(
@@ -648,6 +646,24 @@ def problem() -> str | None:
     if not _checked:
         _build()
     return _problem
+
+
+_noted: set[str] = set()
+
+
+def note_fallback(what: str) -> None:
+    """Say once per process, on stderr, that `what` runs on torch's kernels instead of the
+    native ones, and why (`problem()`)."""
+    if what not in _noted:
+        _noted.add(what)
+        print(f"decodelab: {what} run on torch's kernels, not decodelab's native ones: {problem()}",
+              file=sys.stderr, flush=True)
+
+
+def library() -> Path | None:
+    """The kernel library this process loaded (None: none, see `problem()`)."""
+    problem()
+    return _library
 
 
 def _ops():

@@ -142,6 +142,8 @@ def weight_kernel(weights: str, n_in: int, n_out: int, group_size: int | None, d
             return f"native-{weights}", ""
         if kernel == "native":
             return None, why + "; use weight_kernel=auto (native where it serves, else torch's) or torch"
+        if native.problem():
+            native.note_fallback(f"{weights} weights")
     return _torch_kernel(weights, n_in, n_out, group_size)
 
 

@@ -1,0 +1,137 @@
+"""The native kernel library on disk: damage is found before the library is loaded, a
+damaged library is rebuilt (or refused naming the folder), one build at a time."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from decodelab.models import native
+from decodelab.models.native_build import LIBRARY, RECORD, library_problem, probe, ready
+
+pytestmark = pytest.mark.skipif(native.problem() is not None, reason=f"no native kernels here: {native.problem()}")
+
+
+def copying(calls: list):
+    """A `build` that 'compiles' by copying this process's good library (and counts calls)."""
+    def build(tmp: Path):
+        calls.append(tmp)
+        shutil.copy(native.library(), tmp / LIBRARY)
+    return build
+
+
+@pytest.fixture
+def built(tmp_path) -> Path:
+    folder = tmp_path / "kernels" / "key"
+    assert ready(folder, copying([])) is None
+    assert library_problem(folder) is None
+    return folder
+
+
+def scribble(lib: Path, offset: int = 80_000, n: int = 4096) -> None:
+    with open(lib, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(os.urandom(n))
+
+
+def test_a_build_is_probed_and_recorded(built):
+    assert (built / RECORD).is_file() and probe(built / LIBRARY) is None
+    calls = []
+    assert ready(built, copying(calls)) is None and calls == []  # a good library is loaded as it is
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "truncated", "random bytes, no record"])
+def test_a_damaged_library_is_found_and_rebuilt(built, damage, capsys):
+    lib = built / LIBRARY
+    good = lib.read_bytes()
+    if damage == "truncated":
+        os.truncate(lib, 1000)
+    else:
+        scribble(lib)
+    if damage.endswith("no record"):
+        (built / RECORD).unlink()
+    why = library_problem(built)
+    assert why and {"truncated": "truncated or changed (1,000 bytes", "random bytes": "checksum differs",
+                    "random bytes, no record": "no integrity record"}[damage] in why
+    calls = []
+    assert ready(built, copying(calls)) is None and len(calls) == 1
+    assert lib.read_bytes() == good and library_problem(built) is None
+    err = capsys.readouterr().err
+    assert "rebuilding the native kernels" in err and "building the native int8/int4 kernels" in err
+    if damage.endswith("no record"):
+        assert "in a probe process" in err  # the probe, not the caller, met the damage
+
+
+def test_an_older_build_without_a_record_is_probed_and_kept(built):
+    (built / RECORD).unlink()
+    calls = []
+    assert ready(built, copying(calls)) is None and calls == [] and library_problem(built) is None
+
+
+def test_a_library_that_crashes_its_probe_is_named_with_the_signal(tmp_path):
+    bad = tmp_path / LIBRARY
+    shutil.copy(native.library(), bad)
+    scribble(bad)
+    why = probe(bad)
+    assert why is not None and str(bad) in why and ("killed it with SIG" in why or "failed (exit" in why)
+
+
+def test_a_damaged_library_that_cannot_be_rebuilt_names_the_folder_to_delete(built):
+    scribble(built / LIBRARY)
+    why = ready(built, lambda tmp: "no compiler here")
+    assert why.startswith("the native kernel library is damaged") and "no compiler here" in why
+    assert f"rm -r {built}" in why
+
+
+def test_a_freshly_built_library_that_fails_its_probe_is_not_installed(tmp_path):
+    folder = tmp_path / "k"
+
+    def broken(tmp: Path):
+        (tmp / LIBRARY).write_bytes(b"\x7fELF" + os.urandom(2000))
+    why = ready(folder, broken)
+    assert why and "freshly built library fails its check" in why and not (folder / LIBRARY).exists()
+
+
+def test_two_processes_on_an_empty_folder_build_once(tmp_path):
+    """The second waits on the lock, then finds the first one's library good (the build
+    goes on until both processes have started)."""
+    folder, count, started = tmp_path / "kernels" / "key", tmp_path / "builds.txt", tmp_path / "started"
+    started.mkdir()
+    code = textwrap.dedent(f"""
+        import os, shutil, time
+        from pathlib import Path
+        from decodelab.models import native_build
+        def build(tmp):
+            with open({str(count)!r}, "a") as fh:
+                fh.write("build\\n")
+            while len(os.listdir({str(started)!r})) < 2:
+                time.sleep(0.05)
+            shutil.copy({str(native.library())!r}, tmp / native_build.LIBRARY)
+        Path({str(started)!r}, str(os.getpid())).touch()
+        print(native_build.ready(Path({str(folder)!r}), build))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [o.strip() for o, _ in outs] == ["None", "None"]
+    assert count.read_text() == "build\n"
+    assert any("waiting for another process building" in e for _, e in outs)
+    assert library_problem(folder) is None
+
+
+def test_a_fallback_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(native, "_checked", True)
+    monkeypatch.setattr(native, "_problem", "no compiler was found (install gcc and g++)")
+    monkeypatch.setattr(native, "_noted", set())
+    from decodelab.models.quantize import weight_kernel
+
+    assert weight_kernel("int8", 64, 64, None, "cpu", "auto")[0] == "_weight_int8pack_mm"
+    assert weight_kernel("int8", 128, 64, None, "cpu", "auto")[0] == "_weight_int8pack_mm"
+    err = capsys.readouterr().err
+    assert err.count("int8 weights run on torch's kernels") == 1 and "install gcc and g++" in err
