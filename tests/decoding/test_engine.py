@@ -155,7 +155,10 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps(tiny_models):
     chunked = serve(m, cache, greedy(), reqs, token_budget=9)
     whole = serve(m, cache, greedy(), reqs, token_budget=9, chunked_prefill=False)
     assert [x.tokens for x in chunked.requests] == [x.tokens for x in whole.requests]
-    assert max(t["prefill_tokens"] for t in chunked.timeline) <= 8  # 9 minus the decoding row
+    # every step stays in its budget, a decoding row taking one token of it (whether the first
+    # request still decodes when the second arrives depends on the machine's speed)
+    assert all(t["prefill_tokens"] + t["decode_rows"] <= 9 for t in chunked.timeline)
+    assert sum(t["prefill_tokens"] > 0 for t in chunked.timeline) >= 1 + 60 // 9  # spread: 60 over >= 7 steps
     assert max(t["prefill_tokens"] for t in whole.timeline) == 60
 
 
