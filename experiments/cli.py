@@ -70,14 +70,33 @@ def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
     return reasons, kept
 
 
+def as_lists(cfg, argv: list[str]) -> list[str]:
+    """`key=v` where `key` of the composed config `cfg` holds a list and v is one value:
+    `key=[v]`, a one-element list (`rates=2` -> `rates=[2]`); a sweep of single values
+    (`-m rates=1,2`) sweeps one-element lists (`rates=[1],[2]`). Lists, dicts, sweep
+    functions (`choice(...)`), null and added or deleted keys stay as written."""
+    from omegaconf import ListConfig
+
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        plain = value and value[:1] not in "[{" and "(" not in value and value != "null"
+        if eq and plain and not arg.startswith(("-", "+", "~", "hydra")) and has_key(cfg, key) \
+                and isinstance(OmegaConf.select(cfg, key), ListConfig):
+            items = [value] if value[:1] in "'\"" else value.split(",")
+            arg = f"{key}={','.join(f'[{v}]' for v in items)}"
+        out.append(arg)
+    return out
+
+
 def has_key(cfg, key: str) -> bool:
     """Whether the composed config `cfg` (None: no config) has the dotted `key`."""
     return cfg is not None and OmegaConf.select(cfg, key, default=has_key) is not has_key
 
 
-def precheck(argv: list[str], config_name: str, check: Callable) -> None:
+def precheck(argv: list[str], config_name: str, check: Callable) -> list[str]:
     """Exit 2 with every reason when a group option or a key is unknown (see the module
-    doc); otherwise return and let Hydra run."""
+    doc); otherwise return the command line for Hydra (`as_lists`)."""
     from hydra import compose, initialize_config_dir
 
     reasons, kept = split_choices(argv)
@@ -85,10 +104,11 @@ def precheck(argv: list[str], config_name: str, check: Callable) -> None:
     groups = [a for a in overrides if _group(a.partition("=")[0])]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            more, overrides = unknown_keys(compose(config_name=config_name, overrides=groups), overrides)
+            base = compose(config_name=config_name, overrides=groups)
+            more, overrides = unknown_keys(base, as_lists(base, overrides))
             reasons += more
             if not reasons:
-                return  # Hydra composes; the entry point's own check lists the rest
+                return as_lists(base, argv)  # Hydra composes; the entry point's own check lists the rest
             check(compose(config_name=config_name, overrides=overrides))
     except SetupError as e:
         reasons += e.reasons

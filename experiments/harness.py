@@ -180,6 +180,15 @@ def int_problems(cfg, minimums: dict[str, int], nullable: tuple[str, ...] = ("th
     return out
 
 
+def list_problems(cfg, keys: tuple[str, ...]) -> list[str]:
+    """Each option of `cfg` named in `keys` a list (the console scripts turn `key=v` into
+    `key=[v]`; a config composed another way may still hold one value)."""
+    from omegaconf import ListConfig
+
+    return [f"{k} must be a list, got {cfg.get(k)!r}; write {k}=[{cfg.get(k)}]" for k in keys
+            if not isinstance(cfg.get(k), (list, ListConfig))]
+
+
 def model_problems(spec, key: str = "model") -> list[str]:
     """The non-architecture options of a conf/model spec (weights and their options, matmul)."""
     from decodelab.models.loading import model_option_problems
@@ -386,7 +395,7 @@ def entry_points(config_name: str, run, check):
     def cli() -> None:
         from decodelab.experiments.cli import precheck
 
-        precheck(sys.argv[1:], config_name, check)
+        sys.argv[1:] = precheck(sys.argv[1:], config_name, check)
         main()
     return main, cli
 

@@ -57,12 +57,15 @@ def check(cfg: DictConfig) -> None:
     p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
                                     "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0,
                                     "repeats": 1, "headroom": 0})
+    not_lists = harness.list_problems(cfg, ("rates", "backends"))
+    p += not_lists
     try:
-        rates = rates_of(cfg)
+        rates = [] if "rates" in " ".join(not_lists) else rates_of(cfg)
         p += [f"rates must be > 0 requests/s (inf: all at once), got {r}" for r in rates if not r > 0]
-        p += [] if rates else ["rates must list at least one request rate, e.g. rates=[inf]"]
+        p += [] if rates or not_lists else ["rates must list at least one request rate, e.g. rates=[inf]"]
     except (TypeError, ValueError):
-        p.append(f"rates must be a list of numbers or inf, got {OmegaConf.to_container(cfg.rates)}")
+        p.append(f"rates must be a list of numbers or inf, e.g. rates=[0.5,1,inf], got "
+                 f"{OmegaConf.to_container(cfg.rates)}")
     lo, hi = cfg.synthetic.prompt_tokens, cfg.synthetic.output_tokens
     for key, (a, b) in (("prompt_tokens", lo), ("output_tokens", hi)):
         if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
@@ -72,10 +75,11 @@ def check(cfg: DictConfig) -> None:
         if not (isinstance(i.prompt_tokens, int) and i.prompt_tokens >= 1 and i.at_s >= 0 and cfg.requests >= 2):
             p.append(f"trace=interference needs interference.prompt_tokens >= 1, interference.at_s >= 0 and "
                      f"requests >= 2, got {i.prompt_tokens}, {i.at_s} and {cfg.requests}")
-    unknown = [b for b in cfg.backends if b not in harness.group_options("cache")]
+    backends = [] if "backends" in " ".join(not_lists) else cfg.backends
+    unknown = [b for b in backends if b not in harness.group_options("cache")]
     p += [f"backend {b!r} does not exist; the cache options are {harness.group_options('cache')}" for b in unknown]
     probe, decoder = harness._probe_layout(), harness.collect(p, lambda: decoder_of(cfg))
-    for i, b in enumerate(b for b in cfg.backends if b not in unknown):
+    for i, b in enumerate(b for b in backends if b not in unknown):
         cache = harness.collect(p, lambda b=b: factory_of(cfg, b)(probe, 2, 128))
         if cache is not None and decoder is not None:  # the engine options once, the backends' capability each
             p += [r if "cannot serve" not in r else f"backend {b}: {r}"

@@ -184,3 +184,44 @@ def test_precheck_lets_a_good_config_through(capsys):
 
     precheck(["cache=paged", "decoder=speculative", "decoder.gamma=3", "-m", "cache.block_size=32"], "config", check)
     assert capsys.readouterr().err == ""  # returned (no exit), nothing reported
+
+
+def test_one_value_for_a_list_option_becomes_a_one_element_list():
+    from hydra import compose, initialize_config_dir
+
+    from decodelab.experiments.cli import as_lists
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="serve")
+    argv = ["rates=2", "rates=1,inf", "backends=paged", "rates=[1,2]", "rates=null", "requests=3",
+            "+rates2=4", "-m", "backends='paged'"]
+    assert as_lists(cfg, argv) == ["rates=[2]", "rates=[1],[inf]", "backends=[paged]", "rates=[1,2]",
+                                   "rates=null", "requests=3", "+rates2=4", "-m", "backends=['paged']"]
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("rates=abc", "rates must be a list of numbers or inf, e.g. rates=[0.5,1,inf], got ['abc']"),
+    ("rates=[1,abc]", "rates must be a list of numbers or inf, e.g. rates=[0.5,1,inf], got [1, 'abc']"),
+    ("rates=[0]", "rates must be > 0 requests/s"),
+])
+def test_bad_serve_rates_are_named_before_any_work(arg, message):
+    from decodelab.experiments.cli import precheck
+    from decodelab.experiments.serve import check
+
+    argv = precheck([arg, "model=tiny-llama"], "serve", check)  # what the console script hands Hydra
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="serve", overrides=argv)
+    with pytest.raises(SetupError) as e:
+        check(cfg)
+    assert message in str(e.value)
+
+
+def test_a_serve_check_names_a_rates_option_that_is_not_a_list():
+    from hydra import compose, initialize_config_dir
+
+    from decodelab.experiments.serve import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="serve", overrides=["rates=2", "model=tiny-llama"])  # composed without precheck
+    with pytest.raises(SetupError, match=r"rates must be a list, got 2; write rates=\[2\]"):
+        check(cfg)
