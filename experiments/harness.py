@@ -37,7 +37,7 @@ from decodelab.decoding.compiled import static_problems
 from decodelab.decoding.generate import compile_problems, sync
 from decodelab.decoding.text import compiled_capacity
 from decodelab.models.errors import SetupError, raise_if
-from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.models.loading import CONF_DIR, added_key_problems, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.harness")
 RESULTS = "results.jsonl"
@@ -191,18 +191,19 @@ def list_problems(cfg, keys: tuple[str, ...]) -> list[str]:
 
 def model_problems(spec, key: str = "model") -> list[str]:
     """The non-architecture options of a conf/model spec (weights and their options, matmul)."""
-    from decodelab.models.loading import model_option_problems
+    from decodelab.models.loading import added_key_problems, model_option_problems
 
-    return model_option_problems(spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"),
-                                 spec.get("device"), key, spec.get("weight_group_size"),
-                                 spec.get("quantize_head", False), spec.get("allow_slow", False),
-                                 spec.get("weight_kernel", "auto"), spec.get("weight_prefill_dtype", "auto"))
+    return added_key_problems(spec, where=f"{key}.") + model_option_problems(
+        spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"), spec.get("device"), key,
+        spec.get("weight_group_size"), spec.get("quantize_head", False), spec.get("allow_slow", False),
+        spec.get("weight_kernel", "auto"), spec.get("weight_prefill_dtype", "auto"))
 
 
 def draft_problems(cfg: DictConfig) -> list[str]:
     """A draft model's options; a draft that quantizes the target, of a target quantized already."""
     draft = cfg.get("draft") or {}
-    p = model_problems(draft.model, "draft.model") if draft.get("model") is not None else []
+    p = added_key_problems({k: draft[k] for k in draft if k != "model"}, where="draft.")
+    p += model_problems(draft.model, "draft.model") if draft.get("model") is not None else []
     if declared(draft, "quantizes_target"):  # its weight options, before the target loads
         from decodelab.models.quantize import weight_option_problems
 
@@ -298,12 +299,13 @@ def build(cfg: DictConfig, lm):
     return factory, decoder
 
 
-def option(group: str, name: str, **overrides):
+def option(group: str, name: str, where: str = "", **overrides):
     """conf/<group>/<name>.yaml instantiated (a factory where the yaml is `_partial_`), with
-    option overrides."""
+    option overrides (an override its target does not take is refused, named `where`+key)."""
     raise_if([] if name in group_options(group) else
              [f"no {group} option {name!r}; the options are {', '.join(group_options(group))}"])
-    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), overrides))
+    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), overrides),
+                                 where=where)
 
 
 def cache_factory(name: str, **options):

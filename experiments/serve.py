@@ -99,7 +99,8 @@ def decoder_of(cfg: DictConfig):
 
 def factory_of(cfg: DictConfig, backend: str):
     """The cache factory of conf/cache/<backend>.yaml with `backend_options[backend]` over it."""
-    return harness.cache_factory(backend, **(cfg.backend_options or {}).get(backend, {}))
+    return harness.option("cache", backend, where=f"backend_options.{backend}.",
+                          **(cfg.backend_options or {}).get(backend, {}))
 
 
 # -- traces ---------------------------------------------------------------------------------

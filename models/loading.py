@@ -5,6 +5,7 @@ file (dequantized by transformers once, then cached as safetensors), or a name f
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -541,11 +542,14 @@ def load(name_or_path: str, **overrides) -> LoadedModel:
     return instantiate_unwrapped(spec)
 
 
-def instantiate_unwrapped(spec, **kwargs):
-    """hydra's instantiate (`kwargs` passed on), re-raising our SetupError instead of its wrapper."""
+def instantiate_unwrapped(spec, where: str | None = None, **kwargs):
+    """hydra's instantiate (`kwargs` passed on), re-raising our SetupError instead of its wrapper;
+    a key its target does not take is refused first, named `where`+key (default: the node's
+    own path in its config, `cache.`)."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    raise_if(added_key_problems(spec, given=kwargs, where=_config_path(spec) if where is None else where))
     try:
         return instantiate(spec, _convert_="all", **kwargs)
     except InstantiationException as e:
@@ -554,6 +558,52 @@ def instantiate_unwrapped(spec, **kwargs):
         if isinstance(e.__cause__, TypeError) and "argument" in str(e.__cause__):
             raise SetupError(_option_problem(spec, e.__cause__)) from None
         raise
+
+
+BUILT_BY_CALLER = ("self", "layout", "batch_size", "capacity", "target")  # what the entry points pass in
+
+
+def _config_path(spec) -> str:
+    """`cache.` for the node `cfg.cache` of a composed config (the key a user typed), else ''."""
+    try:
+        key = spec._get_full_key(None)  # omegaconf's own path of a node (2.x)
+    except Exception:
+        return ""
+    return f"{key}." if key else ""
+
+
+def added_key_problems(spec, given=(), where: str = "") -> list[str]:
+    """Each key of `spec` (and of every config nested in it) that its `_target_` does not take:
+    caught before anything is built, since a `_partial_` factory would only fail when called,
+    after the weights load (`+cache.block_sizee=4`). A target that takes **kwargs takes any key;
+    one that does not resolve is left to hydra's own error. `given`: keys passed at build time."""
+    import inspect
+
+    from hydra.utils import get_method
+    from omegaconf import DictConfig
+
+    if not isinstance(spec, (dict, DictConfig)):
+        return []
+    out = []
+    for k, v in spec.items():  # nested configs (a model inside a draft spec) first
+        out += added_key_problems(v, where=f"{where}{k}.")
+    target = spec.get("_target_")
+    if not isinstance(target, str):
+        return out
+    try:
+        params = inspect.signature(get_method(target)).parameters
+    except Exception:
+        return out
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return out
+    accepted = [n for n, p in params.items()
+                if n not in BUILT_BY_CALLER and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    for k in spec:
+        if not str(k).startswith("_") and k not in params and k not in given:
+            close = difflib.get_close_matches(str(k), accepted, n=1)
+            hint = f"did you mean {where}{close[0]}? " if close else ""
+            out.append(f"{where}{k}: {target} takes no option {k!r}; {hint}its options are: {', '.join(accepted)}")
+    return out
 
 
 def _option_problem(spec, err: TypeError) -> str:

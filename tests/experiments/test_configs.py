@@ -225,3 +225,44 @@ def test_a_serve_check_names_a_rates_option_that_is_not_a_list():
         cfg = compose(config_name="serve", overrides=["rates=2", "model=tiny-llama"])  # composed without precheck
     with pytest.raises(SetupError, match=r"rates must be a list, got 2; write rates=\[2\]"):
         check(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cache=paged", "+cache.block_sizee=4"],
+     "cache.block_sizee: decodelab.cache.paged.PagedCache takes no option 'block_sizee'; did you mean "
+     "cache.block_size? its options are: block_size, num_blocks, memory_budget_mb, prefix_caching, impl"),
+    (["decoder=speculative", "draft=early-exit", "+draft.layerz=1"],
+     "draft.layerz: decodelab.decoding.drafters.early_exit takes no option 'layerz'; did you mean draft.layers?"),
+    (["decoder=speculative", "draft=model", "+draft.model.seeed=1"], "draft.model.seeed: "),
+    (["+model.foo=1"], "model.foo: decodelab.models.loading.random_model takes no option 'foo'"),
+])
+def test_an_added_key_the_target_does_not_take_is_refused_before_weights_load(overrides, message):
+    """`+group.key=v` passes the unknown-key check on purpose; the target's signature refuses it
+    in the entry point's check, which runs before any model is built (a `_partial_` cache
+    factory would otherwise fail only when called, with a TypeError)."""
+    from decodelab.experiments.bench import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=["model=tiny-llama", *overrides])
+    with pytest.raises(SetupError) as e:
+        check(cfg)
+    assert message in str(e.value)
+
+
+def test_serve_refuses_a_backend_option_its_cache_does_not_take():
+    from decodelab.experiments.serve import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="serve", overrides=["model=tiny-llama", "+backend_options.paged={block_sizee: 4}"])
+    with pytest.raises(SetupError, match=r"backend_options\.paged\.block_sizee: decodelab\.cache\.paged\."
+                                         r"PagedCache takes no option 'block_sizee'; did you mean "
+                                         r"backend_options\.paged\.block_size"):
+        check(cfg)
+
+
+def test_a_target_taking_any_keyword_takes_an_added_key():
+    from decodelab.models.loading import added_key_problems
+
+    assert added_key_problems({"_target_": "builtins.dict", "anything": 1}) == []
+    assert added_key_problems({"_target_": "collections.OrderedDict", "x": 1}) == []  # C signature: left to hydra
+    assert "takes no option 'x'" in added_key_problems({"_target_": "fractions.Fraction", "x": 1})[0]
