@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -382,6 +383,7 @@ def hydra_app(config_name: str, run):
             code = run(cfg, output_dir())
         except SetupError as e:
             print(f"error: {e}", file=sys.stderr)
+            remove_if_unused(output_dir())
             sys.exit(2)
         if type(code) is int and code:
             sys.exit(code)
@@ -400,6 +402,24 @@ def entry_points(config_name: str, run, check):
         sys.argv[1:] = precheck(sys.argv[1:], config_name, check)
         main()
     return main, cli
+
+
+def remove_if_unused(folder: Path) -> None:
+    """Delete the run folder Hydra made for a run refused before it wrote anything: one that
+    holds only Hydra's own `.hydra/` configs and log files. A folder holding anything else
+    (results written before the refusal) is kept."""
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    if not all(f.suffix == ".log" or ".hydra" in f.relative_to(folder).parts for f in files):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    here = Path.cwd().resolve()
+    for parent in folder.resolve().parents:  # outputs/serve, outputs: where this run made them empty
+        if parent == here or here not in parent.parents:
+            break
+        try:
+            parent.rmdir()
+        except OSError:  # not empty
+            break
 
 
 def output_dir() -> Path:

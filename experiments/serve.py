@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 import statistics
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -242,10 +244,11 @@ def alone_check(cfg: DictConfig, lm, reqs, result, backend: str) -> dict:
     ours = [r.tokens for r in result.requests]
     out = {}
     if cfg.check_alone:
-        n, factory = min(cfg.check_alone, len(reqs)), factory_of(cfg, backend)
-        alone = [generate(lm.model, make_cache(lm.model, 1, len(p) + k, factory), decoder_of(cfg), [p], k).tokens[0]
-                 for p, k in reqs[:n]]
-        out.update(alone_checked=n, alone_identical=sum(a == b for a, b in zip(alone, ours)))
+        served = [i for i, r in enumerate(result.requests) if r.finish_reason != "rejected"][:cfg.check_alone]
+        factory, ahead = factory_of(cfg, backend), getattr(decoder_of(cfg), "lookahead", 0)
+        alone = [generate(lm.model, make_cache(lm.model, 1, len(reqs[i][0]) + reqs[i][1] + ahead, factory),
+                          decoder_of(cfg), [reqs[i][0]], reqs[i][1]).tokens[0] for i in served]
+        out.update(alone_checked=len(served), alone_identical=sum(a == ours[i] for a, i in zip(alone, served)))
     return out
 
 
@@ -284,6 +287,7 @@ def interference(cfg: DictConfig, lm, reqs, backend: str, capacity: int, conditi
     for chunked in (True, False):
         result = serve_once(fresh(chunked), reqs, math.inf, cfg.seed, times)
         m = metrics(result, cfg.slo) | interference_metrics(result, base)
+        m["long_prompt_rejected"] = result.requests[-1].finish_reason == "rejected"  # nothing measured: exit 1
         name = f"interference {backend} chunked={chunked} budget={cfg.token_budget}"
         log.info("%s: %s", name, {k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})
         rid = f"{run_id}-{backend}-{'chunked' if chunked else 'whole'}"
@@ -294,11 +298,45 @@ def interference(cfg: DictConfig, lm, reqs, backend: str, capacity: int, conditi
     return records
 
 
-def run(cfg: DictConfig, out: Path) -> None:
+def capacity_of(cfg: DictConfig, lm, reqs) -> int:
+    """Tokens per cache row: the longest request's prompt + output (+ the decoder's lookahead),
+    at most the model's context. A request longer than that is the engine's to reject, with
+    its reason; the rest are served."""
+    need = max(len(p) + n for p, n in reqs) + getattr(decoder_of(cfg), "lookahead", 0)
+    return min(need, lm.model.cfg.max_seq_len)
+
+
+def rejections(records: list[dict]) -> list[str]:
+    """The distinct reasons requests were rejected (reasons that differ only in their numbers
+    are one: the first is shown), each with its count and the runs it happened in."""
+    seen: dict[str, tuple[str, list]] = {}
+    for r in records:
+        if r.get("kind") == "prompt" and r.get("finish") == "rejected":
+            seen.setdefault(re.sub(r"\d+", "#", r["error"]), (r["error"], []))[1].append(r["run"])
+    return [f"{len(runs)} request(s), e.g.: {first} (runs {', '.join(sorted(set(runs)))})"
+            for first, runs in seen.values()]
+
+
+def report_rejections(records: list[dict]) -> int:
+    """Log the distinct rejection reasons; 1 (the exit status) where a run completed no
+    request, or an interference run's long prompt was rejected, with those runs named: its
+    figures measure nothing."""
+    empty = [r["run"] for r in records if r.get("kind") == "summary"
+             and (not r["metrics"]["completed"] or r["metrics"].get("long_prompt_rejected"))]
+    for reason in rejections(records):
+        (log.error if empty else log.warning)("rejected: %s", reason)
+    if empty:
+        print(f"error: nothing measured in run(s) {', '.join(empty)} (no request completed, or the long prompt "
+              "was rejected); the rejection reasons are above "
+              "(raise kv_budget_mb or the model's context, or shorten the prompts)", file=sys.stderr)
+    return 1 if empty else 0
+
+
+def run(cfg: DictConfig, out: Path) -> int:
     check(cfg)
     lm = harness.load_model(cfg)
     reqs = trace(cfg, lm)
-    capacity = max(len(p) + n for p, n in reqs)
+    capacity = capacity_of(cfg, lm, reqs)
     conditions, run_id = harness.run_conditions(lm.model), harness.run_id("serve")
     log.info("trace %s: %d requests, prompts %d-%d tokens, outputs %d-%d", cfg.trace, len(reqs),
              min(len(p) for p, _ in reqs), max(len(p) for p, _ in reqs), min(n for _, n in reqs),
@@ -328,6 +366,7 @@ def run(cfg: DictConfig, out: Path) -> None:
             records += [{"kind": "timeline", "run": f"{run_id}-{backend}-{rate:g}", **t} for t in result.timeline]
             records.append(harness.summary("serve", f"{run_id}-{backend}-{rate:g}", setup, m, conditions, cfg))
             harness.write_jsonl(out / harness.RESULTS, records)  # after every run: nothing measured is lost
+    return report_rejections(records)
 
 
 main, cli = harness.entry_points("serve", run, check)

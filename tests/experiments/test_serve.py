@@ -67,11 +67,31 @@ def test_bad_options_are_refused_before_weights_load(override, msg):
         check(config(override))
 
 
-def test_console_script_refuses_with_exit_2_and_no_traceback():
+def test_console_script_refuses_with_exit_2_no_traceback_and_no_output_folder(tmp_path):
     p = subprocess.run([sys.executable, "-m", "decodelab.experiments.serve", *TINY, "rates=[-1]", "token_budget=0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "rates must be > 0" in p.stderr and "token_budget" in p.stderr
+    assert not (tmp_path / "outputs").exists()  # Hydra's run folder held only its log: removed
+
+
+def test_a_request_longer_than_the_context_is_rejected_and_the_rest_served(tmp_path):
+    assert run(config("backends=[dense]", "+model.max_seq_len=40", "check_alone=6"), tmp_path) == 0
+    (s,) = read_results(tmp_path / "results.jsonl")
+    m, prompts = s["metrics"], s["prompts"]
+    long = [p for p in prompts if p["prompt_len"] + 12 > 40]  # outputs up to 12 tokens
+    assert m["rejected"] >= 1 and m["completed"] == 6 - m["rejected"] and m["completed"] >= 1
+    assert all("the model's context (40)" in p["error"] for p in prompts if p["finish"] == "rejected")
+    assert {p["id"] for p in prompts if p["finish"] == "rejected"} <= {p["id"] for p in long}
+    assert m["alone_checked"] == m["alone_identical"] == m["completed"]  # the served ones, each alone
+
+
+def test_a_run_where_nothing_completed_exits_1_with_its_reasons_and_keeps_its_records(tmp_path, caplog):
+    assert run(config("backends=[dense]", "kv_budget_mb=0.0001", "check_alone=2"), tmp_path) == 1
+    (s,) = read_results(tmp_path / "results.jsonl")
+    assert s["metrics"]["completed"] == 0 and s["metrics"]["rejected"] == 6
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected:")]
+    assert line.startswith("rejected: 6 request(s), e.g.: prompt + max_new_tokens = ") and "KV budget" in line
 
 
 def test_interference_runs_chunked_and_whole_side_by_side(tmp_path):
