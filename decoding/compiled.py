@@ -30,6 +30,12 @@ host-side ring plan), collected by `static_problems` before anything is built.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+import sys
+
 import torch
 
 from decodelab.cache.base import reference_attention
@@ -203,6 +209,7 @@ class StaticDecoder:
         fn = self._forward
         if mode == "compile":
             allow_recompiles()
+            inductor_cache_dir()
             if self.view.traced:  # on a CPU: a graph StaticDecoder can call without dynamo (_compiled_call)
                 backend = replayable(backend)
             core = getattr(model, "model", model)  # a wrapper (the early-exit draft) holds the Transformer
@@ -353,14 +360,120 @@ def allow_recompiles() -> None:
     cfg.fail_on_recompile_limit_hit = True
 
 
+#: torch's compile cache (inductor's generated code and built libraries) when the user did
+#: not choose one with TORCHINDUCTOR_CACHE_DIR: a folder under DECODELAB_CACHE
+INDUCTOR_FOLDER = "inductor"
+
+
+def inductor_cache_dir() -> str:
+    """The folder inductor caches compiled artifacts in: TORCHINDUCTOR_CACHE_DIR where the
+    user set it, else (set now, for this process) `INDUCTOR_FOLDER` under DECODELAB_CACHE.
+    Importing torch._dynamo writes torch's own default (a folder in /tmp) into the variable:
+    that value counts as unset."""
+    from decodelab.models.loading import cache_root
+
+    now = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if now is None or os.path.abspath(now) == _torch_default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = now = str(cache_root() / INDUCTOR_FOLDER)
+    return now
+
+
+def _torch_default_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # what torch writes there
+    except ImportError:  # another torch: its documented default
+        import getpass
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return os.path.abspath(default_cache_dir())
+
+
+def damaged_artifact(err: BaseException, folder: str) -> tuple[str, BaseException] | None:
+    """(the cached file under `folder`, the error) where a failed compile could not load or
+    rebuild an artifact of torch's compile cache: an ImportError or OSError naming it (a
+    zero-byte `.so` left by a compile killed part way), or a C++ compile of a file there
+    (inductor rebuilding around damaged entries); else None."""
+    seen, pattern = set(), re.escape(folder.rstrip("/")) + r"/[^\s:'\"]+"
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        loads = isinstance(err, (ImportError, OSError)) or type(err).__name__ == "CppCompileError"
+        m = re.search(pattern, str(err)) if loads else None
+        if m:
+            return m.group(0), err
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    return None
+
+
+def _fresh_compile_cache(folder: str, bad: str, err: BaseException) -> str:
+    """After `bad` (under `folder`, the compile cache) failed to load: a fresh cache for the
+    retry, said on stderr. Our own folder (under DECODELAB_CACHE) is deleted and made anew, so
+    later runs find it sound too; a folder the user chose is left as it is (it is theirs to
+    delete) and this process compiles into ours."""
+    from decodelab.models.loading import cache_root
+
+    fresh = str(cache_root() / INDUCTOR_FOLDER)
+    ours = os.path.abspath(folder) == os.path.abspath(fresh)
+    if ours:
+        gone = f"{folder}.damaged-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):  # atomic: a process compiling now recreates an empty one
+            os.replace(folder, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+    then = ("deleted the compile cache folder and compiling again in a fresh one" if ours else
+            f"compiling again in decodelab's own folder {fresh} (delete {folder}, the TORCHINDUCTOR_CACHE_DIR "
+            "you set, to drop the damaged entry)")
+    print(f"decodelab: torch's compile cache entry {bad} could not be loaded or rebuilt ({type(err).__name__}: "
+          f"{str(err).strip().splitlines()[0][:200]}): damaged, left by a compile that did not finish; {then}",
+          file=sys.stderr)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
+    _forget_inductor_memos()
+    return fresh
+
+
+def _forget_inductor_memos() -> None:
+    """Clear what inductor memoized in this process from the damaged cache, so that the retry
+    decides afresh: which vector ISA builds (probed once per process by building and loading a
+    small library in the cache folder: a damaged probe reads as no vector ISA, and the code then
+    compiled against the wrong header fails) and the C++ and Python modules it loaded."""
+    from torch._inductor import codecache, cpu_vec_isa
+
+    for cls in [cpu_vec_isa.VecISA, *_subclasses(cpu_vec_isa.VecISA)]:
+        for f in vars(cls).values():
+            getattr(f, "cache_clear", lambda: None)()
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    codecache.CppCodeCache.cache_clear()
+    codecache.PyCodeCache.cache_clear()
+
+
+def _subclasses(cls) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
 def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "StaticDecoder":
     """A `StaticDecoder` of `cache` in mode `compile` (`tokens` per row and step),
     compiled now: one step on the emptied cache (zero tokens from position 0), which the
     closing `reset` forgets, so that no request pays the compile. Shapes already compiled
-    (this model, batch, capacity and tokens) only rebuild the wrapper."""
-    cache.reset()
-    dec = StaticDecoder(model, cache, mode="compile", backend=backend, tokens=tokens)
-    dec.step(torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device))
+    (this model, batch, capacity and tokens) only rebuild the wrapper. A cached artifact that
+    fails to load (a damaged compile cache) is named and the compile retried once in a fresh
+    cache folder (`_fresh_compile_cache`); a second failure is refused naming the folder."""
+    first = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)
+    for attempt in (1, 2):
+        cache.reset()
+        folder = inductor_cache_dir()
+        try:
+            dec = StaticDecoder(model, cache, mode="compile", backend=backend, tokens=tokens)
+            dec.step(first)
+            break
+        except Exception as e:
+            found = damaged_artifact(e, folder)
+            if found is None:
+                raise
+            if attempt == 2:
+                raise SetupError(f"the compiled decode step failed on {found[0]} in torch's compile cache twice, "
+                                 f"the second time in a fresh folder ({type(found[1]).__name__}); delete {folder} "
+                                 f"(rm -r {folder}) and run again, or set TORCHINDUCTOR_CACHE_DIR to another "
+                                 "folder") from e
+            _fresh_compile_cache(folder, *found)
     cache.reset()
     dec.guarded = False  # the first real step (after a prefill) is guarded in full once more
     return dec

@@ -386,3 +386,102 @@ def test_native_decode_attention_equals_masked_attention(threads, window, T):
         torch.testing.assert_close(past[0], last[0], rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(past[0], torch.zeros_like(past[0]))
+
+
+def _fail_first_steps(monkeypatch, n: int, error):
+    """StaticDecoder.step raising `error(folder)` on its first `n` calls (a damaged compile cache)."""
+    import os
+
+    calls, real = [], StaticDecoder.step
+
+    def step(self, last):
+        calls.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        if len(calls) <= n:
+            raise error(calls[-1])
+        return real(self, last)
+    monkeypatch.setattr(StaticDecoder, "step", step)
+    return calls
+
+
+def test_a_damaged_compile_cache_entry_is_named_and_compiled_again_in_a_fresh_folder(
+        tiny_llama, tmp_path, monkeypatch, capsys):
+    """A zero-byte `.so` in inductor's cache (a compile killed part way) fails the load with an
+    ImportError naming it: the folder (ours, under DECODELAB_CACHE) is deleted and the step
+    compiled once more, said on stderr; a user's TORCHINDUCTOR_CACHE_DIR is left alone."""
+    from decodelab.decoding.compiled import compiled_step, inductor_cache_dir
+
+    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    ours = tmp_path / "inductor"
+    assert inductor_cache_dir() == str(ours)
+    (ours / "ab").mkdir(parents=True)
+    (ours / "ab" / "cab.main.so").write_bytes(b"")
+    calls = _fail_first_steps(monkeypatch, 1, lambda d: ImportError(f"{d}/ab/cab.main.so: file too short"))
+    cache = cache_for(tiny_llama.model, 1, 32)
+    dec = compiled_step(tiny_llama.model, cache, backend="eager")
+    err = capsys.readouterr().err
+    assert f"torch's compile cache entry {ours}/ab/cab.main.so could not be loaded or rebuilt (ImportError" in err
+    assert "deleted the compile cache folder and compiling again in a fresh one" in err
+    assert calls == [str(ours), str(ours)] and not (ours / "ab").exists() and dec.step is not None
+
+    user = tmp_path / "mine"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(user))
+    (user / "ab").mkdir(parents=True)
+    calls = _fail_first_steps(monkeypatch, 1, lambda d: OSError(f"{d}/ab/x.so: invalid ELF header"))
+    compiled_step(tiny_llama.model, cache, backend="eager")
+    err = capsys.readouterr().err
+    assert f"compiling again in decodelab's own folder {ours} (delete {user}, the TORCHINDUCTOR_CACHE_DIR" in err
+    assert calls == [str(user), str(ours)] and (user / "ab").is_dir()  # theirs: untouched
+
+
+def test_a_compile_cache_failing_twice_is_refused_naming_the_folder_and_other_errors_pass(
+        tiny_llama, tmp_path, monkeypatch):
+    from decodelab.decoding.compiled import compiled_step
+
+    monkeypatch.setenv("DECODELAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache = cache_for(tiny_llama.model, 1, 32)
+    _fail_first_steps(monkeypatch, 2, lambda d: ImportError(f"{d}/q/c.main.so: file too short"))
+    with pytest.raises(SetupError, match=rf"failed on {tmp_path}/inductor/q/c\.main\.so in torch's compile cache "
+                                         rf"twice.*delete {tmp_path}/inductor \(rm -r"):
+        compiled_step(tiny_llama.model, cache, backend="eager")
+    _fail_first_steps(monkeypatch, 1, lambda d: ImportError("no module named nothing_here"))
+    with pytest.raises(ImportError, match="nothing_here"):  # not the compile cache's: as it is
+        compiled_step(tiny_llama.model, cache, backend="eager")
+
+
+def test_damaged_artifact_reads_the_path_through_dynamos_wrapper():
+    from decodelab.decoding.compiled import damaged_artifact
+
+    inner = ImportError("/c/ind/r4/cr4.main.so: file too short")
+    try:
+        try:
+            raise inner
+        except ImportError as e:
+            raise RuntimeError("backend='compile_noting' raised:\nImportError: ...") from e
+    except RuntimeError as outer:
+        assert damaged_artifact(outer, "/c/ind/") == ("/c/ind/r4/cr4.main.so", inner)
+    assert damaged_artifact(ImportError("/elsewhere/x.so: file too short"), "/c/ind") is None
+    assert damaged_artifact(ValueError("/c/ind/x.so"), "/c/ind") is None  # not a load or build error
+
+
+@pytest.mark.slow
+def test_a_zeroed_compile_cache_is_rebuilt_with_the_same_tokens(tmp_path):
+    """For real: compile=true once, every cached `.so` truncated to zero bytes, run again:
+    the same text, the damage named, exit 0."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "DECODELAB_CACHE": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    cmd = [sys.executable, "-m", "decodelab.experiments.generate", "model=tiny-llama", "compile=true",
+           "max_new_tokens=8", "prompt=hi", f"hydra.run.dir={tmp_path}/run"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    sos = list((tmp_path / "inductor").rglob("*.so"))
+    assert sos
+    for f in sos:
+        f.write_bytes(b"")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "torch's compile cache entry" in again.stderr and again.stdout == first.stdout
