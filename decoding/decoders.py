@@ -20,7 +20,28 @@ from __future__ import annotations
 import torch
 
 from decodelab.decoding.sampling import SamplingParams, choose
-from decodelab.models.errors import raise_if
+from decodelab.models.errors import raise_if, shown
+
+
+def decoder_type_problems(decoder) -> list[str]:
+    """Why `decoder` is not a decoder object (empty when it is one)."""
+    missing = [m for m in ("problems", "begin", "start", "step") if not callable(getattr(decoder, m, None))]
+    if not missing:
+        return []
+    hint = (f"; a conf/decoder option by name: decodelab.experiments.harness.option('decoder', {decoder!r})"
+            if isinstance(decoder, str) else "")
+    return [f"decoder must be a decoder object (greedy(), SamplingDecoder(...), SpeculativeDecoder(drafter, ...)), "
+            f"got {shown(decoder)[:-1]}, without {', '.join(missing)}){hint}"]
+
+
+def not_begun(decoder, call: str) -> list[str]:
+    """The call order of a decoder (`begin`, then `start` on the prefill's logits, then `step`),
+    where `call` comes before its `begin`."""
+    if getattr(decoder, "generator", None) is not None:
+        return []
+    return [f"{type(decoder).__name__}.{call} called before begin(device, prompts, capacity): call "
+            "decoder.begin first, once per generation (generate() and the serving engine do), then "
+            "decoder.start(logits) on the prefill's last logits, then decoder.step"]
 
 
 class SamplingDecoder:
@@ -56,6 +77,7 @@ class SamplingDecoder:
 
     def start(self, logits: torch.Tensor) -> torch.Tensor:
         """First tokens [B] from the last prompt logits [B, V]."""
+        raise_if(not_begun(self, "start"))
         return choose(logits, self.params, self.generator)
 
     def admit(self, row: int, tokens: list[int]) -> None:
@@ -73,6 +95,7 @@ class SamplingDecoder:
         most tokens any row may still emit, matters only to decoders that look ahead).
         `forward(last) -> logits [B, V]`: a compiled step of the same forward (None: the
         model's own)."""
+        raise_if(not_begun(self, "step"))
         if forward is not None:
             logits = forward(last)
         else:

@@ -11,7 +11,7 @@ import torch
 
 from decodelab.decoding.compiled import compiled_step, static_problems
 from decodelab.decoding.prefill import prefill, token_id_problems
-from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.errors import SetupError, raise_if, shown
 
 # on_token(row, token_id, text_delta): text_delta is "" without a tokenizer
 TokenCallback = Callable[[int, int, str], None]
@@ -78,6 +78,7 @@ def sync(device) -> None:
 def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), tokenizer=None,
                  compile: bool = False) -> None:
     """Every problem with a generation request, raised together before any forward."""
+    raise_if(argument_type_problems(model, cache, decoder))  # the checks below read these
     p = compile_problems(cache, decoder) if compile else []
     if not isinstance(prompts, list) or not prompts:
         raise SetupError("prompts must be a non-empty list of token-id lists")
@@ -103,6 +104,23 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
                  "before its first token")
     p += decoder.problems(model, cache)
     raise_if(p)
+
+
+def argument_type_problems(model, cache, decoder) -> list[str]:
+    """What is not of the type `generate` takes: a model (`LoadedModel.model`), a built cache,
+    a decoder object."""
+    from decodelab.cache.base import KVCache
+    from decodelab.decoding.decoders import decoder_type_problems
+
+    p = []
+    if not (hasattr(model, "cfg") and callable(model)):
+        p.append(f"model must be a decodelab model (LoadedModel.model, from decodelab.models.loading.load), got "
+                 f"a {type(model).__name__}" + ("; pass lm.model, or generate_text(lm, text) for text"
+                                                 if hasattr(model, "model") else ""))
+    if not isinstance(cache, KVCache):
+        p.append(f"cache must be a built KV cache (make_cache(model, batch_size, capacity, factory)), got "
+                 f"{shown(cache)}")
+    return p + decoder_type_problems(decoder)
 
 
 def compile_problems(cache, decoder) -> list[str]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from decodelab.models.errors import shown
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,15 +22,19 @@ class SamplingParams:
     def problems(self) -> list[str]:
         """Every out-of-range value, each with its allowed range."""
         p = []
-        t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            p.append(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            p.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            p.append(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
-            p.append(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        ranges = {  # name: (the type it takes, whether a value is in range, the range in words)
+            "temperature": ("a number", lambda t: not (math.isnan(t) or t < 0 or math.isinf(t)),
+                            ">= 0 and finite (0 = greedy)"),
+            "top_k": ("an integer", lambda k: k >= 0, ">= 0 (0 = off)"),
+            "top_p": ("a number", lambda x: 0 < x <= 1, "in (0, 1] (1 = off)"),
+            "min_p": ("a number", lambda x: 0 <= x <= 1, "in [0, 1] (0 = off)"),
+        }
+        for name, (kind, fits, allowed) in ranges.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int if kind == "an integer" else (int, float)):
+                p.append(f"{name} must be {kind} {allowed}, got {shown(v)}")
+            elif not fits(v):
+                p.append(f"{name} must be {kind} {allowed}, got {v}")
         return p
 
     @property

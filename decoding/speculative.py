@@ -15,6 +15,7 @@ import torch
 
 from decodelab.decoding.generate import sync
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
+from decodelab.decoding.decoders import not_begun
 from decodelab.models.errors import raise_if
 
 
@@ -229,11 +230,13 @@ class SpeculativeDecoder:
     def start(self, logits: torch.Tensor) -> torch.Tensor:
         from decodelab.decoding.sampling import choose
 
+        raise_if(not_begun(self, "start"))
         return choose(logits, self.params, self.generator)
 
     def admit(self, row: int, tokens: list[int]) -> None:
         """A serving engine starts a new sequence (`tokens` so far) in cache row `row`: the
         drafter starts that row over from them (a draft model prefills its own cache row)."""
+        raise_if(not_begun(self, "admit"))
         self.drafter.admit(row, tokens)
 
     def release(self, row: int) -> None:
@@ -247,6 +250,7 @@ class SpeculativeDecoder:
         """One draft-and-verify round; rows in `done` are frozen (their caches do not grow).
         With `left` tokens at most still to emit, no more than `left - 1` are drafted (a round
         emits the accepted drafts and one more): drafting past the output is wasted work."""
+        raise_if(not_begun(self, "step"))
         t0 = time.perf_counter()
         G, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)

@@ -12,7 +12,7 @@ from decodelab.cache.dense import DenseCache
 from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.decoders import SamplingDecoder
 from decodelab.decoding.generate import GenerationResult, TokenCallback, generate
-from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.errors import SetupError, raise_if, shown
 
 CacheFactory = Callable[..., KVCache]  # (layout, batch_size, capacity) -> cache
 
@@ -89,6 +89,27 @@ def compiled_capacity(model, batch_size: int, need: int, factory: CacheFactory =
     return rounded if rounded == need or not capacity_problems(model, batch_size, rounded, factory) else need
 
 
+def text_problems(lm, prompts, decoder, cache, max_new_tokens) -> list[str]:
+    """What `generate_text` cannot take, each with the type it expected, before tokenizing."""
+    from decodelab.decoding.decoders import decoder_type_problems
+
+    p = []
+    if not (hasattr(lm, "model") and hasattr(lm, "tokenizer_dir")):
+        p.append(f"generate_text takes a LoadedModel (decodelab.models.loading.load(...)), got a {type(lm).__name__}; "
+                 "a bare model generates from token ids: decodelab.decoding.generate(model, cache, decoder, ids, n)")
+    if not (isinstance(prompts, str) or isinstance(prompts, (list, tuple)) and prompts
+            and all(isinstance(t, str) for t in prompts)):
+        p.append(f"prompts must be a str or a non-empty list of str, got {shown(prompts)}; "
+                 "token ids go to decodelab.decoding.generate")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        p.append(f"max_new_tokens must be an integer >= 1, got {shown(max_new_tokens)}")
+    p += decoder_type_problems(decoder) if decoder is not None else []
+    if not callable(cache) or isinstance(cache, KVCache):
+        p.append(f"cache must be a cache factory, called (layout, batch_size, capacity): a KVCache class such as "
+                 f"DenseCache, or decodelab.experiments.harness.cache_factory('paged'); got {shown(cache)}")
+    return p
+
+
 def generate_text(lm, prompts: str | list[str], *, decoder=None, cache: CacheFactory = DenseCache,
                   max_new_tokens: int = 64, chat: bool = False, stop=(),
                   on_token: TokenCallback | None = None, prefill_chunk: int | None = None,
@@ -98,6 +119,7 @@ def generate_text(lm, prompts: str | list[str], *, decoder=None, cache: CacheFac
     compiles, over a capacity rounded up so that nearby prompt lengths share one compile
     (`compiled_capacity`)."""
     t0 = time.perf_counter()
+    raise_if(text_problems(lm, prompts, decoder, cache, max_new_tokens))
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [lm.tokenizer.encode(t, chat=chat) for t in texts]
     tokenize_s = time.perf_counter() - t0

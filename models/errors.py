@@ -25,3 +25,10 @@ def raise_if(reasons: list[str]) -> None:
 class PoolExhausted(SetupError):
     """A KV pool with too few free blocks for a forward (raised with the cache unchanged):
     a serving engine preempts a request and retries; elsewhere it is a setup error."""
+
+
+def shown(value, width: int = 80) -> str:
+    """`value` as an error message quotes it: its repr (cut at `width` characters) and its
+    type, `'0.5' (a str)`, `123 (an int)`."""
+    kind = type(value).__name__
+    return f"{repr(value)[:width]} ({'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind})"

@@ -134,3 +134,56 @@ def test_a_draft_model_with_a_shorter_context_is_refused_naming_the_draft():
     spec = SpeculativeDecoder(ModelDrafter(draft, name="small"), gamma=2)
     with pytest.raises(SetupError, match="draft small: a cache of 200 tokens .* context of 64 tokens"):
         generate(target, make_cache(target, 1, 200), spec, [[1, 2, 3] * 30], 50)
+
+
+# -- (b) the library's public functions: argument types first, the expected type named --------
+@pytest.mark.parametrize("call, message", [
+    (lambda lm: text.generate_text(lm, 123), "prompts must be a str or a non-empty list of str, got 123 (an int)"),
+    (lambda lm: text.generate_text(lm, [1, 2]), "got [1, 2] (a list); token ids go to decodelab.decoding.generate"),
+    (lambda lm: text.generate_text(lm, "hi", max_new_tokens="4"), "max_new_tokens must be an integer >= 1, got '4'"),
+    (lambda lm: text.generate_text(lm, "hi", decoder="greedy"),
+     "decoder must be a decoder object (greedy(), SamplingDecoder(...), SpeculativeDecoder(drafter, ...)), got "
+     "'greedy' (a str, without problems, begin, start, step); a conf/decoder option by name"),
+    (lambda lm: text.generate_text(lm, "hi", cache="paged"), "cache must be a cache factory, called (layout, "),
+    (lambda lm: text.generate_text(lm.model, "hi"), "generate_text takes a LoadedModel"),
+    (lambda lm: generate(lm, cache_for(lm.model), greedy(), [[1]], 3), "pass lm.model, or generate_text(lm, text)"),
+    (lambda lm: generate(lm.model, DenseCache, greedy(), [[1]], 3), "cache must be a built KV cache (make_cache("),
+])
+def test_a_public_function_names_the_type_it_expected(tiny_llama, call, message):
+    with pytest.raises(SetupError) as e:
+        call(tiny_llama)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"top_p": "0.5"}, "top_p must be a number in (0, 1] (1 = off), got '0.5' (a str)"),
+    ({"temperature": "1"}, "temperature must be a number >= 0 and finite (0 = greedy), got '1' (a str)"),
+    ({"top_k": 1.5}, "top_k must be an integer >= 0 (0 = off), got 1.5 (a float)"),
+    ({"min_p": True}, "min_p must be a number in [0, 1] (0 = off), got True (a bool)"),
+    ({"top_p": 2}, "top_p must be a number in (0, 1] (1 = off), got 2"),
+])
+def test_sampling_options_name_a_wrong_type_apart_from_a_wrong_value(kw, message):
+    from decodelab.decoding import SamplingDecoder
+
+    with pytest.raises(SetupError) as e:
+        SamplingDecoder(**kw)
+    assert message in str(e.value)
+    with pytest.raises(SetupError) as e:
+        SamplingDecoder(temperature=-1, top_p="x")  # both listed
+    assert len(e.value.reasons) == 2
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "speculative"])
+@pytest.mark.parametrize("call", ["start", "step"])
+def test_a_decoder_used_before_begin_says_begin_is_missing(tiny_llama, decoder, call):
+    from decodelab.decoding.drafters import prompt_lookup
+
+    m = tiny_llama.model
+    d = greedy() if decoder == "greedy" else SpeculativeDecoder(prompt_lookup(), gamma=2)
+    cache = cache_for(m, 1, 32)
+    args = (torch.zeros(1, 256),) if call == "start" else (m, cache, torch.tensor([1]))
+    with pytest.raises(SetupError, match=rf"{type(d).__name__}\.{call} called before begin\(device, prompts, "
+                                         r"capacity\): call decoder\.begin first"):
+        getattr(d, call)(*args)
+    d.begin(m.device, [[1]], 32)  # in order: it runs
+    assert d.start(torch.zeros(1, 256)).shape == (1,)
