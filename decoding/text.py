@@ -46,20 +46,21 @@ def _meminfo_available() -> int | None:
     return int(kib[0]) * 1024 if kib else None
 
 
-def capacity_problems(model, batch_size: int, capacity: int, factory: CacheFactory = DenseCache) -> list[str]:
+def capacity_problems(model, batch_size: int, capacity: int, factory: CacheFactory = DenseCache,
+                      fix: str = "lower max_new_tokens or shorten the prompt") -> list[str]:
     """Every reason a cache of `batch_size` rows x `capacity` tokens from `factory` cannot
     be built for `model`, found without allocating anything: the capacity against the
     model's context (`cfg.max_seq_len`), and the backend's `planned_bytes` against the
     free memory of the model's device (`free_bytes`). Entry points call it right after
     tokenizing (capacity = longest prompt + max_new_tokens + the decoder's lookahead);
-    `make_cache` raises it."""
+    `make_cache` raises it. `fix`: the advice, in the options of the entry point that asks."""
     if not (isinstance(batch_size, int) and isinstance(capacity, int)) or batch_size < 1 or capacity < 1:
         return []  # the backend's constructor names these
     p = []
     context = getattr(model.cfg, "max_seq_len", None)
     if context and capacity > context:
         p.append(f"a cache of {capacity:,} tokens per row (prompt + max_new_tokens + the decoder's lookahead) "
-                 f"exceeds the model's context of {context:,} tokens; lower max_new_tokens or shorten the prompt")
+                 f"exceeds the model's context of {context:,} tokens; {fix}")
     layout = CacheLayout.of(model)
     try:
         need = planned_bytes(factory, layout, batch_size, capacity)
@@ -68,15 +69,17 @@ def capacity_problems(model, batch_size: int, capacity: int, factory: CacheFacto
     free = free_bytes(layout.device)
     if free is not None and need > free:
         p.append(f"the KV cache ({batch_size} row(s) x {capacity:,} tokens) needs {need / GiB:.2f} GiB "
-                 f"({need:,} bytes) but {free / GiB:.2f} GiB is free on {layout.device}; lower max_new_tokens "
-                 "or the batch, or use a smaller cache (int4, or paged with memory_budget_mb)")
+                 f"({need:,} bytes) but {free / GiB:.2f} GiB is free on {layout.device}; {fix}, lower the "
+                 "batch, or use a smaller cache (int4, or paged with memory_budget_mb)")
     return p
 
 
-def make_cache(model, batch_size: int, capacity: int, backend: CacheFactory = DenseCache) -> KVCache:
+def make_cache(model, batch_size: int, capacity: int, backend: CacheFactory = DenseCache,
+               fix: str = "lower max_new_tokens or shorten the prompt") -> KVCache:
     """A cache of `backend` laid out for `model` (its dtype and device). Refused with a
-    SetupError, before anything is allocated, for every `capacity_problems` reason."""
-    raise_if(capacity_problems(model, batch_size, capacity, backend))
+    SetupError, before anything is allocated, for every `capacity_problems` reason (`fix`:
+    the advice they give)."""
+    raise_if(capacity_problems(model, batch_size, capacity, backend, fix))
     return backend(CacheLayout.of(model), batch_size, capacity)
 
 

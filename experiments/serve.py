@@ -175,7 +175,8 @@ def metrics(result, slo) -> dict:
 
 # -- one run --------------------------------------------------------------------------------
 def engine_for(cfg: DictConfig, lm, backend: str, capacity: int) -> Engine:
-    cache = make_cache(lm.model, cfg.max_running, capacity, factory_of(cfg, backend))
+    cache = make_cache(lm.model, cfg.max_running, capacity, factory_of(cfg, backend),
+                       fix="lower max_running, max_prompt_tokens or max_output_tokens (synthetic: its token ranges)")
     return Engine(lm.model, cache, decoder_of(cfg), token_budget=cfg.token_budget, policy=cfg.policy,
                   chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb, headroom=cfg.headroom)
 

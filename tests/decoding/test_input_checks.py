@@ -106,9 +106,10 @@ def test_cache_larger_than_free_memory_is_refused_before_allocation(tiny_llama, 
     monkeypatch.setattr(text, "free_bytes", lambda device: need - 1)
     assert capacity_problems(m, 2, 99) == []
     (reason,) = capacity_problems(m, 2, 100)
-    assert f"needs 0.00 GiB ({need:,} bytes)" in reason and "lower max_new_tokens or the batch" in reason
-    with pytest.raises(SetupError, match="is free on cpu"):
-        make_cache(m, 2, 100)
+    assert f"needs 0.00 GiB ({need:,} bytes)" in reason
+    assert "lower max_new_tokens or shorten the prompt, lower the batch" in reason
+    with pytest.raises(SetupError, match="is free on cpu; lower max_running, lower the batch"):
+        make_cache(m, 2, 100, fix="lower max_running")  # the advice of the entry point that asks
 
 
 def test_free_memory_is_known_on_this_machine():
