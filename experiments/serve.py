@@ -87,6 +87,11 @@ def check(cfg: DictConfig) -> None:
             p += [r if "cannot serve" not in r else f"backend {b}: {r}"
                   for r in engine_problems(cache, decoder, cfg.token_budget, cfg.policy)
                   if i == 0 or "cannot serve" in r]
+    for b in (cfg.backend_options or {}):  # options of a backend this run does not serve: checked all the same
+        if b not in harness.group_options("cache"):
+            p.append(f"backend_options.{b}: no cache backend {b!r}; the options are {harness.group_options('cache')}")
+        elif b not in backends:
+            harness.collect(p, lambda b=b: factory_of(cfg, b))
     if cfg.kv_budget_mb is not None and not cfg.kv_budget_mb > 0:
         p.append(f"kv_budget_mb must be > 0 (or null: the whole cache), got {cfg.kv_budget_mb}")
     for key in ("ttft_s", "tpot_s"):
@@ -373,4 +378,4 @@ def run(cfg: DictConfig, out: Path) -> int:
 main, cli = harness.entry_points("serve", run, check)
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -29,26 +29,29 @@ TINY = "model=tiny-llama model.device=cpu"
 ASK = "prompt='The capital of France is' chat_template=false max_new_tokens=12 json=true"
 SMALL_SERVE = f"{TINY} trace=synthetic requests=4 compare_transformers=false check_alone=0 backends=[dense]"
 ROWS: list[tuple[str, str, int, str]] = []
-NOISE = ("Loading weights", "  0%", "[20", "Set the environment", "Error executing job")
+NOISE = ("Loading weights", "  0%", "Set the environment", "Error executing job")
 
 
 def first_line(p: subprocess.CompletedProcess) -> str:
     """The line that says what happened: an error, a decodelab note, a traceback's last line,
     else the result (the JSON record's text, or stdout's first line)."""
-    err = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(NOISE)]
+    err = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith(NOISE)
+           and not (ln.startswith("[20") and "][INFO]" in ln)]  # Hydra's timestamped INFO log lines
     if p.returncode and any(ln.startswith("error") for ln in err):
         i = next(k for k, ln in enumerate(err) if ln.startswith("error"))
         return " ".join(err[i:i + 2])
     if any("Traceback" in ln for ln in err) or p.returncode < 0:
         return f"signal {-p.returncode}" if p.returncode < 0 else err[-1]
-    notes = [ln for ln in err if ln.startswith("decodelab:") or "ERROR" in ln or "WARNING" in ln]
+    notes = [ln.split("] - ", 1)[-1] for ln in err if ln.startswith("decodelab:") or "][ERROR]" in ln
+             or "][WARNING]" in ln]
+    summaries = [ln.split("] - ", 1)[-1][:120] for ln in p.stderr.splitlines() if "'completed':" in ln]
     try:
         r = json.loads(p.stdout.strip().splitlines()[-1])
         result = f"text {r['text']!r}" + (f", weight_kernel {r['conditions'].get('weight_kernel')}"
                                           if r.get("conditions", {}).get("weight_kernel") else "")
     except (ValueError, IndexError, KeyError, TypeError):
         result = (p.stdout.strip().splitlines() or [""])[0]
-    return " | ".join([*notes[:2], result] if result else notes[:2])
+    return " | ".join([*notes[:2], *summaries[:1], *([result] if result else [])])
 
 
 def sh(case: str, cmd: str, env: dict, cwd: Path = ROOT, show: str | None = None) -> subprocess.CompletedProcess:

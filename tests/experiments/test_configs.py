@@ -249,11 +249,13 @@ def test_an_added_key_the_target_does_not_take_is_refused_before_weights_load(ov
     assert message in str(e.value)
 
 
-def test_serve_refuses_a_backend_option_its_cache_does_not_take():
+@pytest.mark.parametrize("backends", ["[paged]", "[dense]"])  # served or not: checked
+def test_serve_refuses_a_backend_option_its_cache_does_not_take(backends):
     from decodelab.experiments.serve import check
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="serve", overrides=["model=tiny-llama", "+backend_options.paged={block_sizee: 4}"])
+        cfg = compose(config_name="serve", overrides=["model=tiny-llama", f"backends={backends}",
+                                                      "+backend_options.paged={block_sizee: 4}"])
     with pytest.raises(SetupError, match=r"backend_options\.paged\.block_sizee: decodelab\.cache\.paged\."
                                          r"PagedCache takes no option 'block_sizee'; did you mean "
                                          r"backend_options\.paged\.block_size"):
@@ -266,3 +268,12 @@ def test_a_target_taking_any_keyword_takes_an_added_key():
     assert added_key_problems({"_target_": "builtins.dict", "anything": 1}) == []
     assert added_key_problems({"_target_": "collections.OrderedDict", "x": 1}) == []  # C signature: left to hydra
     assert "takes no option 'x'" in added_key_problems({"_target_": "fractions.Fraction", "x": 1})[0]
+
+
+def test_serve_names_backend_options_of_a_backend_that_does_not_exist():
+    from decodelab.experiments.serve import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="serve", overrides=["model=tiny-llama", "+backend_options.pagd={block_size: 4}"])
+    with pytest.raises(SetupError, match=r"backend_options\.pagd: no cache backend 'pagd'; the options are"):
+        check(cfg)
