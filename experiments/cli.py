@@ -19,6 +19,25 @@ from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
 
 
+#: Hydra's flags that print and exit (`--cfg job`, `--info defaults`, `--shell-completion
+#: install=bash`: the word after one is not a setting) or that take configs from elsewhere
+#: (`--config-dir`): with one, the command line goes to Hydra as it is, and the entry
+#: point's own check still runs on the composed config before any weights load
+HYDRA_AS_IS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i", "--shell-completion",
+               "-sc", "--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun",
+               "--package", "-p", "--resolve")
+
+
+def as_is(argv: list[str]) -> bool:
+    """Whether the command line goes to Hydra unchecked (`HYDRA_AS_IS`, `hydra.searchpath`)."""
+    return any(a.partition("=")[0] in HYDRA_AS_IS or a.startswith("hydra.searchpath") for a in argv)
+
+
+def _sweep_function(value: str) -> bool:
+    """`choice(dense,paged)`, `range(1,4)`, `glob(*)`, ...: a Hydra sweep, expanded by Hydra."""
+    return "(" in value and value.rstrip().endswith(")")
+
+
 def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     """(reasons for group options that do not exist, the overrides without them); a
     sweep list (`cache=dense,pagd`) is checked value by value; its first value is kept."""
@@ -27,6 +46,12 @@ def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
         key, eq, value = arg.partition("=")
         group = _group(key) if eq and not arg.startswith("-") else None
         names = group_options(group) if group else []
+        if _sweep_function(value):  # Hydra expands it; a choice() of group options is checked here
+            values = [v.strip(" '\"") for v in value[value.index("(") + 1:-1].split(",")]
+            bad = [v for v in values if group and value.startswith("choice(") and v and v not in names]
+            reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
+            kept += [] if bad else [arg]
+            continue
         bad = [v for v in value.split(",") if group and v and v != "null" and v not in names]
         reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
         if not bad:
@@ -99,8 +124,11 @@ def precheck(argv: list[str], config_name: str, check: Callable) -> list[str]:
     doc); otherwise return the command line for Hydra (`as_lists`)."""
     from hydra import compose, initialize_config_dir
 
+    if as_is(argv):
+        return argv
     reasons, kept = split_choices(argv)
-    overrides = [_first_value(a) for a in kept if not a.startswith("-") and not a.startswith("hydra")]
+    overrides = [_first_value(a) for a in kept if not a.startswith(("-", "hydra"))
+                 and not _sweep_function(a.partition("=")[2])]
     groups = [a for a in overrides if _group(a.partition("=")[0])]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

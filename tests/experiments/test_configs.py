@@ -277,3 +277,30 @@ def test_serve_names_backend_options_of_a_backend_that_does_not_exist():
         cfg = compose(config_name="serve", overrides=["model=tiny-llama", "+backend_options.pagd={block_size: 4}"])
     with pytest.raises(SetupError, match=r"backend_options\.pagd: no cache backend 'pagd'; the options are"):
         check(cfg)
+
+
+@pytest.mark.parametrize("argv", [["--cfg", "job"], ["-c", "job"], ["--info", "defaults"], ["--help"],
+                                  ["--shell-completion", "install=bash"], ["--config-dir=/somewhere", "model=mine"],
+                                  ["hydra.searchpath=[file:///somewhere]", "model=mine"]])
+def test_hydras_own_flags_reach_hydra_as_written(argv):
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
+
+    assert precheck(argv, "config", check) == argv
+
+
+@pytest.mark.parametrize("sweep", ["cache=choice(dense,paged)", "cache=glob(*)", "decoder.temperature=range(0,1,0.5)"])
+def test_hydras_sweep_functions_pass_the_precheck(sweep, capsys):
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
+
+    assert precheck(["-m", sweep], "config", check) == ["-m", sweep] and capsys.readouterr().err == ""
+
+
+def test_a_choice_of_a_group_option_that_does_not_exist_is_named(capsys):
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
+
+    with pytest.raises(SystemExit):
+        precheck(["-m", "cache=choice(dense,pagd)"], "config", check)
+    assert "cache=pagd: no such cache; the options are dense, int4, paged, sliding" in capsys.readouterr().err
