@@ -42,15 +42,16 @@ def first_line(p: subprocess.CompletedProcess) -> str:
         return " ".join(err[i:i + 2])
     if any("Traceback" in ln for ln in err) or p.returncode < 0:
         return f"signal {-p.returncode}" if p.returncode < 0 else err[-1]
-    notes = [ln.split("] - ", 1)[-1] for ln in err if ln.startswith("decodelab:") or "][ERROR]" in ln
+    both = err + p.stdout.splitlines()  # serve logs on stdout
+    notes = [ln.split("] - ", 1)[-1] for ln in both if ln.startswith("decodelab:") or "][ERROR]" in ln
              or "][WARNING]" in ln]
-    summaries = [ln.split("] - ", 1)[-1][:120] for ln in p.stderr.splitlines() if "'completed':" in ln]
+    summaries = [ln.split("] - ", 1)[-1][:120] for ln in both if "'completed':" in ln]
     try:
         r = json.loads(p.stdout.strip().splitlines()[-1])
         result = f"text {r['text']!r}" + (f", weight_kernel {r['conditions'].get('weight_kernel')}"
                                           if r.get("conditions", {}).get("weight_kernel") else "")
     except (ValueError, IndexError, KeyError, TypeError):
-        result = (p.stdout.strip().splitlines() or [""])[0]
+        result = next((ln for ln in p.stdout.strip().splitlines() if not ln.startswith("[20")), "")
     return " | ".join([*notes[:2], *summaries[:1], *([result] if result else [])])
 
 
