@@ -372,7 +372,23 @@ def run(cfg: DictConfig, out: Path) -> int:
             records += [{"kind": "timeline", "run": f"{run_id}-{backend}-{rate:g}", **t} for t in result.timeline]
             records.append(harness.summary("serve", f"{run_id}-{backend}-{rate:g}", setup, m, conditions, cfg))
             harness.write_jsonl(out / harness.RESULTS, records)  # after every run: nothing measured is lost
+    print_table(records, out / harness.RESULTS)
     return report_rejections(records)
+
+
+#: the columns of the table serve prints (stdout) at the end: one row per run
+TABLE = ("name", "completed", "rejected", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p99_ms",
+         "preemptions", "output_tok_s_over_hf", "alone_identical", "itl_p99_over_unloaded_p50")
+
+
+def print_table(records: list[dict], path: Path) -> None:
+    """One Markdown row per run (the columns of `TABLE` that any run has) on stdout, then where
+    the records are."""
+    from decodelab.experiments.report import markdown_table
+
+    rows = [{"name": r["setup"]["name"], **r["metrics"]} for r in records if r.get("kind") == "summary"]
+    print(markdown_table(rows, [c for c in TABLE if any(c in r for r in rows)]), end="", flush=True)
+    print(f"results: {path}", flush=True)
 
 
 main, cli = harness.entry_points("serve", run, check)
