@@ -406,13 +406,16 @@ def entry_points(config_name: str, run, check):
 
 def remove_if_unused(folder: Path) -> None:
     """Delete the run folder Hydra made for a run refused before it wrote anything: one that
-    holds only Hydra's own `.hydra/` configs and log files. A folder holding anything else
-    (results written before the refusal) is kept."""
+    holds Hydra's own `.hydra/` configs and nothing else but log files. A folder holding
+    anything else (results written before the refusal), one without `.hydra/`, and the
+    working directory or one above it are kept."""
+    folder, here = folder.resolve(), Path.cwd().resolve()
+    if folder == here or folder in here.parents or not (folder / ".hydra").is_dir():
+        return  # not a run folder Hydra made (generate runs in `.` and writes no .hydra/): never touched
     files = [f for f in folder.rglob("*") if f.is_file()]
     if not all(f.suffix == ".log" or ".hydra" in f.relative_to(folder).parts for f in files):
         return
     shutil.rmtree(folder, ignore_errors=True)
-    here = Path.cwd().resolve()
     for parent in folder.resolve().parents:  # outputs/serve, outputs: where this run made them empty
         if parent == here or here not in parent.parents:
             break

@@ -160,3 +160,31 @@ def test_a_claim_held_by_a_live_process_is_respected_and_ends_with_it(tmp_path):
             assert again is not None  # a second claim on the same run does not win
     with claimed(tmp_path) as who:
         assert who is None  # released when the body ended
+
+
+def test_only_a_run_folder_hydra_made_and_nothing_wrote_to_is_removed_on_refusal(tmp_path, monkeypatch):
+    """A refused run's folder goes when it holds only Hydra's .hydra/ and logs; the working
+    directory (generate runs in `.`), a folder without .hydra/, and one with results stay."""
+    from decodelab.experiments.harness import remove_if_unused
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old.log").write_text("x")
+    remove_if_unused(tmp_path)  # generate's `.`: empty of anything else, and still never removed
+    remove_if_unused(Path("."))
+    assert (tmp_path / "old.log").exists()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    remove_if_unused(plain)  # no .hydra/: not Hydra's
+    assert plain.is_dir()
+    run = tmp_path / "outputs" / "serve" / "t1"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("a: 1")
+    (run / "serve.log").write_text("log")
+    kept = tmp_path / "outputs" / "serve" / "t0"
+    (kept / ".hydra").mkdir(parents=True)
+    (kept / "results.jsonl").write_text("{}")
+    remove_if_unused(run)
+    remove_if_unused(kept)
+    assert not run.exists() and (kept / "results.jsonl").exists() and (tmp_path / "outputs" / "serve").is_dir()
+    remove_if_unused(kept.parent.parent)  # an ancestor: no .hydra/ of its own
+    assert kept.exists()
