@@ -214,6 +214,18 @@ class Synthetic:
         return out
 
 
+#: the JSONL workload files shipped with the package (package data of decodelab.experiments.results)
+PACKAGED = Path(__file__).resolve().parent / "results"
+
+
+def packaged_jsonl(file: str = "agree-prompts.jsonl", n: int | None = None, chat_template: bool = True) -> "JsonlFile":
+    """A JSONL workload shipped with decodelab (`PACKAGED`), by file name."""
+    shipped = sorted(f.name for f in PACKAGED.glob("*.jsonl"))
+    raise_if([] if file in shipped else [f"workload.file {file!r} is not one of the packaged workload files "
+                                         f"{shipped}; a file of your own: workload=jsonl workload.path=PATH"])
+    return JsonlFile(str(PACKAGED / file), n, chat_template)
+
+
 class JsonlFile:
     """Every record (or the first `n`) of a local JSONL file with `prompt` and an optional
     `reference`, loaded with `datasets`."""

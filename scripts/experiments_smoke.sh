@@ -21,8 +21,8 @@ run() {  # name, then the command
 }
 run baseline $B/decodelab-bench -m experiment=baseline "${TINY[@]}" max_new_tokens=4 workload.per_length=1 \
     'workload.lengths=[32]' "hydra.sweep.dir=$OUT/baseline"
-run agree $B/decodelab-agree reference=transformers workload=jsonl \
-    workload.path=experiments/results/agree-prompts.jsonl workload.n=1 forced_tokens=4 free_tokens=4 \
+run agree $B/decodelab-agree reference=transformers workload=agree-prompts \
+    workload.n=1 forced_tokens=4 free_tokens=4 \
     "${TINY[@]}" draft.layers=1 "hydra.run.dir=$OUT/agree"
 run lossless $B/decodelab-bench -m name=lossless cache=dense,paged,int4,sliding decoder=speculative \
     draft=prompt-lookup compare_greedy=true agree_with_dense=false workload=synthetic 'workload.lengths=[200]' \

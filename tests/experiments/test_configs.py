@@ -123,7 +123,7 @@ def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny
     f = tmp_path / "w.jsonl"
     f.write_text('{"prompt": "Hi there", "reference": "Hello!"}\n{"prompt": "Bye"}\n')
     extra = {"jsonl": [f"workload.path={f}"], "sharegpt": ["workload.n=2", "workload.max_prompt_tokens=64"],
-             "synthetic": ["workload.lengths=[8,12]"]}[workload]
+             "synthetic": ["workload.lengths=[8,12]"], "agree-prompts": ["workload.n=2"]}[workload]
     lm = tiny_with_tokenizer
     reqs = instantiate_unwrapped(config(f"workload={workload}", *extra).workload)(lm)
     assert len(reqs) == 2 and len({r.id for r in reqs}) == 2
@@ -131,8 +131,16 @@ def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny
     assert all(len(x) > 0 for x in ids)
     if workload == "synthetic":
         assert [len(x) for x in ids] == [8, 12]
-    if workload == "sharegpt":
+    if workload in ("sharegpt", "agree-prompts"):
         assert all(r.reference and r.chat for r in reqs)
+
+
+def test_a_packaged_workload_file_that_does_not_exist_is_named():
+    from decodelab.models.loading import instantiate_unwrapped
+
+    with pytest.raises(SetupError, match=r"workload.file 'nope.jsonl' is not one of the packaged workload files "
+                                         r"\['agree-prompts.jsonl'\]; a file of your own: workload=jsonl"):
+        instantiate_unwrapped(config("workload=agree-prompts", "workload.file=nope.jsonl").workload)
 
 
 @pytest.mark.parametrize("name", names("setup"))
