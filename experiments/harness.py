@@ -190,11 +190,25 @@ def list_problems(cfg, keys: tuple[str, ...]) -> list[str]:
             if not isinstance(cfg.get(k), (list, ListConfig))]
 
 
+def model_path_problems(spec, key: str = "model") -> list[str]:
+    """A model by path (conf/model/hf.yaml, gguf.yaml): the path given, and there."""
+    if "path" not in spec or "_target_" not in spec:
+        return []
+    path, folder = spec.get("path"), spec["_target_"].endswith("load_hf_dir")
+    what = "a Hugging Face model folder (config.json, *.safetensors, tokenizer)" if folder else "a .gguf file"
+    if not path:
+        return [f"{key}.path is required: {key}.path={'DIR' if folder else 'FILE'}, {what}"]
+    there = Path(str(path)).expanduser()
+    if not (there.is_dir() if folder else there.is_file()):
+        return [f"{key}.path {path} is not {what}" + ("" if there.exists() else " (it does not exist)")]
+    return []
+
+
 def model_problems(spec, key: str = "model") -> list[str]:
     """The non-architecture options of a conf/model spec (weights and their options, matmul)."""
     from decodelab.models.loading import added_key_problems, model_option_problems
 
-    return added_key_problems(spec, where=f"{key}.") + model_option_problems(
+    return added_key_problems(spec, where=f"{key}.") + model_path_problems(spec, key) + model_option_problems(
         spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"), spec.get("device"), key,
         spec.get("weight_group_size"), spec.get("quantize_head", False), spec.get("allow_slow", False),
         spec.get("weight_kernel", "auto"), spec.get("weight_prefill_dtype", "auto"))

@@ -147,3 +147,33 @@ def test_gguf_conversion_is_cached(smollm2):
     again = load("smollm2-135m", device="cpu")
     assert time.perf_counter() - t < 10
     assert torch.equal(again.model.embed.weight, smollm2.model.embed.weight)
+
+
+def test_a_model_folder_of_ones_own_by_path_generates_as_the_model_itself(tmp_path, capsys):
+    """`model=hf model.path=DIR`: a local Hugging Face folder (here the tiny Llama with
+    SmolLM2's tokenizer files) through generate, token for token as the model it was saved
+    from; a missing path and a wrong one named before anything loads."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from decodelab.decoding import generate, greedy
+    from decodelab.experiments import generate as cli
+    from decodelab.models.loading import CONF_DIR, tokenizer_source
+
+    src = load("tiny-llama", device="cpu").model  # SmolLM2's vocabulary
+    d = save_as_hf_dir(src, tmp_path / "mine")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_source("smollm2-135m") / f, d / f)
+
+    def cfg(*o):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(config_name="generate", overrides=["model=hf", *o, "prompt=hi", "max_new_tokens=6",
+                                                              "chat_template=false", "model.device=cpu"])
+    result = cli.run(cfg(f"model.path={d}"))
+    ids = load_hf_dir(d, device="cpu").tokenizer.encode("hi", chat=False)
+    assert result.tokens == generate(src, cache_for(src, 1, 64), greedy(), [ids], 6).tokens
+    with pytest.raises(SetupError, match=r"model\.path is required: model\.path=DIR, a Hugging Face model folder"):
+        cli.check(cfg())
+    with pytest.raises(SetupError, match=rf"model\.path {tmp_path}/nope is not a Hugging Face model folder .*does not"):
+        cli.check(cfg(f"model.path={tmp_path}/nope"))
