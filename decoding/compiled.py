@@ -35,6 +35,8 @@ import os
 import re
 import shutil
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -389,20 +391,36 @@ def _torch_default_cache_dir() -> str:
     return os.path.abspath(default_cache_dir())
 
 
+#: how a loader reports a damaged library (a permission or disk-space error is not damage)
+LOAD_FAILURES = ("file too short", "invalid elf", "not a dynamic", "file format not recognized", "wrong elf class",
+                 "cannot open shared object", "no such file or directory", "truncated")
+
+
 def damaged_artifact(err: BaseException, folder: str) -> tuple[str, BaseException] | None:
     """(the cached file under `folder`, the error) where a failed compile could not load or
-    rebuild an artifact of torch's compile cache: an ImportError or OSError naming it (a
-    zero-byte `.so` left by a compile killed part way), or a C++ compile of a file there
-    (inductor rebuilding around damaged entries); else None."""
+    rebuild an artifact of torch's compile cache: an ImportError or OSError naming it that
+    reads as a damaged file (`LOAD_FAILURES`: a zero-byte `.so` left by a compile killed part
+    way), or a C++ compile of a file there while the folder holds a zero-byte library
+    (inductor rebuilding around damaged entries); else None (a real compile error)."""
     seen, pattern = set(), re.escape(folder.rstrip("/")) + r"/[^\s:'\"]+"
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        loads = isinstance(err, (ImportError, OSError)) or type(err).__name__ == "CppCompileError"
-        m = re.search(pattern, str(err)) if loads else None
+        text = str(err)
+        if isinstance(err, (ImportError, OSError)):
+            damaged = any(m in text.lower() for m in LOAD_FAILURES)
+        else:
+            damaged = type(err).__name__ == "CppCompileError" and _zero_byte_library(folder)
+        m = re.search(pattern, text) if damaged else None
         if m:
             return m.group(0), err
         err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
     return None
+
+
+def _zero_byte_library(folder: str) -> bool:
+    with contextlib.suppress(OSError):
+        return any(f.stat().st_size == 0 for f in Path(folder).rglob("*.so"))
+    return False
 
 
 def _fresh_compile_cache(folder: str, bad: str, err: BaseException) -> str:
@@ -415,8 +433,8 @@ def _fresh_compile_cache(folder: str, bad: str, err: BaseException) -> str:
     fresh = str(cache_root() / INDUCTOR_FOLDER)
     ours = os.path.abspath(folder) == os.path.abspath(fresh)
     if ours:
-        gone = f"{folder}.damaged-{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):  # atomic: a process compiling now recreates an empty one
+        gone = f"{folder}.damaged-{os.getpid()}-{time.time_ns()}"
+        with contextlib.suppress(OSError):  # atomic: a process compiling now recreates an empty one
             os.replace(folder, gone)
         shutil.rmtree(gone, ignore_errors=True)
     then = ("deleted the compile cache folder and compiling again in a fresh one" if ours else
@@ -469,10 +487,11 @@ def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "
             if found is None:
                 raise
             if attempt == 2:
+                first = " ".join(str(found[1]).strip().splitlines()[:2])[:300]
                 raise SetupError(f"the compiled decode step failed on {found[0]} in torch's compile cache twice, "
-                                 f"the second time in a fresh folder ({type(found[1]).__name__}); delete {folder} "
-                                 f"(rm -r {folder}) and run again, or set TORCHINDUCTOR_CACHE_DIR to another "
-                                 "folder") from e
+                                 f"the second time in a fresh folder ({type(found[1]).__name__}: {first}); delete "
+                                 f"{folder} (rm -r {folder}) and run again, or set TORCHINDUCTOR_CACHE_DIR to "
+                                 "another folder") from e
             _fresh_compile_cache(folder, *found)
     cache.reset()
     dec.guarded = False  # the first real step (after a prefill) is guarded in full once more

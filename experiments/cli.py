@@ -105,13 +105,23 @@ def as_lists(cfg, argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        plain = value and value[:1] not in "[{" and "(" not in value and value != "null"
-        if eq and plain and not arg.startswith(("-", "+", "~", "hydra")) and has_key(cfg, key) \
+        items = _plain_items(value)
+        if eq and items and not arg.startswith(("-", "+", "~", "hydra")) and has_key(cfg, key) \
                 and isinstance(OmegaConf.select(cfg, key), ListConfig):
-            items = [value] if value[:1] in "'\"" else value.split(",")
             arg = f"{key}={','.join(f'[{v}]' for v in items)}"
         out.append(arg)
     return out
+
+
+def _plain_items(value: str) -> list[str] | None:
+    """The values of `value` where it is one plain value or a sweep of plain ones (`2`, `1,inf`,
+    one quoted string); None for anything else, which stays as written: lists, dicts, null,
+    sweep functions, interpolations (`${...}`), escapes, quoted sweeps."""
+    if not value or value[:1] in "[{" or value == "null" or "(" in value or "${" in value or "\\" in value:
+        return None
+    if value[:1] in "'\"":  # one quoted string, or a sweep of them (left to Hydra)
+        return [value] if value.count(value[0]) == 2 and value.endswith(value[0]) else None
+    return None if "'" in value or '"' in value else value.split(",")
 
 
 def has_key(cfg, key: str) -> bool:
@@ -127,13 +137,23 @@ def precheck(argv: list[str], config_name: str, check: Callable) -> list[str]:
     if as_is(argv):
         return argv
     reasons, kept = split_choices(argv)
-    overrides = [_first_value(a) for a in kept if not a.startswith(("-", "hydra"))
-                 and not _sweep_function(a.partition("=")[2])]
+    overrides, free = [], set()  # free: groups swept by glob() & co (their keys are not checked here)
+    for a in kept:
+        key, _, value = a.partition("=")
+        if a.startswith(("-", "hydra")):
+            continue
+        if not _sweep_function(value):
+            overrides.append(_first_value(a))
+        elif _group(key) and value.startswith("choice("):  # composed with its first option
+            overrides.append(f"{key}={value[7:-1].split(',')[0].strip(chr(39) + chr(34) + ' ')}")
+        elif _group(key):
+            free.add(key.lstrip("+~").split("@")[0])
     groups = [a for a in overrides if _group(a.partition("=")[0])]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             base = compose(config_name=config_name, overrides=groups)
-            more, overrides = unknown_keys(base, as_lists(base, overrides))
+            unfree = [a for a in overrides if a.lstrip("+~").split(".")[0] not in free]
+            more, overrides = unknown_keys(base, as_lists(base, unfree))
             reasons += more
             if not reasons:
                 return as_lists(base, argv)  # Hydra composes; the entry point's own check lists the rest

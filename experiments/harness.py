@@ -181,13 +181,13 @@ def int_problems(cfg, minimums: dict[str, int], nullable: tuple[str, ...] = ("th
     return out
 
 
-def list_problems(cfg, keys: tuple[str, ...]) -> list[str]:
-    """Each option of `cfg` named in `keys` a list (the console scripts turn `key=v` into
-    `key=[v]`; a config composed another way may still hold one value)."""
+def list_problems(cfg, examples: dict[str, str]) -> list[str]:
+    """Each option of `cfg` named in `examples` (key: an example value) a list (the console
+    scripts turn `key=v` into `key=[v]`; a config composed another way may still hold one)."""
     from omegaconf import ListConfig
 
-    return [f"{k} must be a list, got {cfg.get(k)!r}; write {k}=[{cfg.get(k)}]" for k in keys
-            if not isinstance(cfg.get(k), (list, ListConfig))]
+    return [f"{k} must be a list, got {v!r}; write " + (f"{k}=[{v}]" if v is not None else f"e.g. {k}=[{e}]")
+            for k, e in examples.items() if not isinstance(v := cfg.get(k), (list, ListConfig))]
 
 
 def model_path_problems(spec, key: str = "model") -> list[str]:
@@ -393,6 +393,7 @@ def hydra_app(config_name: str, run):
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)
     def main(cfg: DictConfig) -> None:
+        mark_run(output_dir())
         try:
             code = run(cfg, output_dir())
         except SetupError as e:
@@ -400,8 +401,22 @@ def hydra_app(config_name: str, run):
             remove_if_unused(output_dir())
             sys.exit(2)
         if type(code) is int and code:
+            if multirun():  # a sweep's other jobs still run; Hydra raises this at the end (exit 1)
+                raise RunFailed(f"this job exited {code} (its reasons are above); the sweep's other jobs run on")
             sys.exit(code)
     return main
+
+
+class RunFailed(RuntimeError):
+    """A sweep's job that finished without a result worth reading (its exit status under a
+    single run): raised, not exited, so that Hydra runs the sweep's other jobs first."""
+
+
+def multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def entry_points(config_name: str, run, check):
@@ -418,16 +433,33 @@ def entry_points(config_name: str, run, check):
     return main, cli
 
 
+_STARTED = time.time()  # this process's start, near enough: before Hydra makes any run folder
+MARK = "decodelab-run-"  # + pid, in a run folder's .hydra/: which processes ran in it
+
+
+def mark_run(folder: Path) -> None:
+    """Note in `folder`'s .hydra/ that this process runs there (`remove_if_unused` reads it)."""
+    with contextlib.suppress(OSError):
+        if (folder / ".hydra").is_dir():
+            (folder / ".hydra" / f"{MARK}{os.getpid()}").touch()
+
+
 def remove_if_unused(folder: Path) -> None:
-    """Delete the run folder Hydra made for a run refused before it wrote anything: one that
-    holds Hydra's own `.hydra/` configs and nothing else but log files. A folder holding
-    anything else (results written before the refusal), one without `.hydra/`, and the
-    working directory or one above it are kept."""
+    """Delete the run folder Hydra made for this process's run, refused before it wrote
+    anything: one that holds Hydra's own `.hydra/` configs (with this process's `mark_run`)
+    and nothing else but log files, all made since this process started. Kept: a folder
+    holding anything else (results written before the refusal), one another process runs in
+    too (two runs started in the same second share `outputs/<entry>/<time>`), one that held
+    an earlier run, one without this process's mark, the working directory or one above it."""
     folder, here = folder.resolve(), Path.cwd().resolve()
-    if folder == here or folder in here.parents or not (folder / ".hydra").is_dir():
-        return  # not a run folder Hydra made (generate runs in `.` and writes no .hydra/): never touched
+    mine = folder / ".hydra" / f"{MARK}{os.getpid()}"
+    if folder == here or folder in here.parents or not mine.is_file():
+        return  # not a run folder Hydra made for this process (generate runs in `.`, no .hydra/): never touched
     files = [f for f in folder.rglob("*") if f.is_file()]
-    if not all(f.suffix == ".log" or ".hydra" in f.relative_to(folder).parts for f in files):
+    others = [f for f in files if f.name.startswith(MARK) and f != mine]  # a run started in the same second
+    older = [f for f in files if f.stat().st_mtime < _STARTED - 2]  # a folder that held a run before this one
+    if others or older or not all(f.suffix == ".log" or ".hydra" in f.relative_to(folder).parts for f in files):
+        mine.unlink(missing_ok=True)
         return
     shutil.rmtree(folder, ignore_errors=True)
     for parent in folder.resolve().parents:  # outputs/serve, outputs: where this run made them empty

@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from decodelab.decoding.engine import Engine, Request, engine_problems
 from decodelab.decoding.generate import generate, percentile
@@ -59,7 +59,7 @@ def check(cfg: DictConfig) -> None:
     p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
                                     "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0,
                                     "repeats": 1, "headroom": 0})
-    not_lists = harness.list_problems(cfg, ("rates", "backends"))
+    not_lists = harness.list_problems(cfg, {"rates": "inf", "backends": "dense"})
     p += not_lists
     try:
         rates = [] if "rates" in " ".join(not_lists) else rates_of(cfg)
@@ -69,7 +69,8 @@ def check(cfg: DictConfig) -> None:
         p.append(f"rates must be a list of numbers or inf, e.g. rates=[0.5,1,inf], got "
                  f"{OmegaConf.to_container(cfg.rates)}")
     lo, hi = cfg.synthetic.prompt_tokens, cfg.synthetic.output_tokens
-    for key, (a, b) in (("prompt_tokens", lo), ("output_tokens", hi)):
+    for key, pair in (("prompt_tokens", lo), ("output_tokens", hi)):
+        a, b = pair if isinstance(pair, (list, ListConfig)) and len(pair) == 2 else (None, None)
         if not (isinstance(a, int) and isinstance(b, int) and 1 <= a <= b):
             p.append(f"synthetic.{key} must be [min, max] with 1 <= min <= max, got [{a}, {b}]")
     if cfg.trace == "interference":
@@ -213,19 +214,21 @@ def offline(cfg: DictConfig, lm, fresh, reqs, first: bool) -> tuple:
     The engine run of median output tok/s, and the side-by-side metrics (medians, every
     repeat's tok/s listed). Every run gets a `fresh()` engine: an empty cache, no prefix
     cached by an earlier run."""
-    hf = hf_model_for(lm) if cfg.compare_transformers and first else None
+    engine = fresh()
+    served = [i for i, (p, n) in enumerate(reqs) if engine.rejection(Request(p, n)) is None]  # what ours serves
+    hf = hf_model_for(lm) if cfg.compare_transformers and first and served else None
     if hf is not None:
         hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
     ours, theirs = [], []
     for _ in range(cfg.repeats):
         ours.append(serve_once(fresh(), reqs, math.inf, cfg.seed))
-        if hf is not None:
-            theirs.append(hf_generate_batch(hf, [p for p, _ in reqs], [k for _, k in reqs]))
+        if hf is not None:  # the same requests ours served (a rejected one is not given to transformers)
+            theirs.append(hf_generate_batch(hf, [reqs[i][0] for i in served], [reqs[i][1] for i in served]))
     tok_s = [sum(len(r.tokens) for r in x.requests) / x.wall_s for x in ours]
     result = ours[sorted(range(len(ours)), key=tok_s.__getitem__)[len(ours) // 2]]
     out = {"output_tok_s_repeats": tok_s}
     if theirs:
-        out |= transformers_metrics(theirs, [r.tokens for r in result.requests])
+        out |= transformers_metrics(theirs, [result.requests[i].tokens for i in served])
         out["output_tok_s_over_hf"] = statistics.median(tok_s) / out["hf_output_tok_s"]
     return result, out
 
@@ -260,7 +263,10 @@ def alone_check(cfg: DictConfig, lm, reqs, result, backend: str) -> dict:
 
 def steady_itl(result) -> list[float]:
     """ITLs once every request has its first token (decode steps only, no prefill)."""
-    start = max(r.token_times[0] for r in result.requests if r.token_times)
+    started = [r.token_times[0] for r in result.requests if r.token_times]
+    if not started:  # every request rejected: nothing decoded (report_rejections says so)
+        return []
+    start = max(started)
     return [b - a for r in result.requests for a, b in zip(r.token_times, r.token_times[1:]) if a >= start]
 
 

@@ -580,9 +580,11 @@ def added_key_problems(spec, given=(), where: str = "") -> list[str]:
     import inspect
 
     from hydra.utils import get_method
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
-    if not isinstance(spec, (dict, DictConfig)):
+    if isinstance(spec, DictConfig):  # keys only: nothing resolved (a `???` of a _partial_ spec stays as it is)
+        spec = OmegaConf.to_container(spec, resolve=False)
+    if not isinstance(spec, dict):
         return []
     out = []
     for k, v in spec.items():  # nested configs (a model inside a draft spec) first

@@ -30,7 +30,15 @@ def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
     from pathlib import Path
 
     pytest.importorskip("setuptools")  # the build backend (pyproject.toml), built without isolation: offline
-    root = Path(__file__).resolve().parents[1]
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside the sources
+    root.mkdir()
+    for item in ("pyproject.toml", "README.md", "conf", "models", "cache", "decoding", "experiments"):
+        (shutil.copytree if (repo / item).is_dir() else shutil.copy)(
+            repo / item, root / item, **({"ignore": shutil.ignore_patterns("__pycache__", "*.egg-info")}
+                                         if (repo / item).is_dir() else {}))
     wheels, site, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
     work.mkdir()
     pip = [sys.executable, "-m", "pip", "-q"]
@@ -39,7 +47,7 @@ def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
     (wheel,) = wheels.glob("decodelab-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     confs = {n for n in names if n.startswith("decodelab/conf/") and n.endswith(".yaml")}
-    assert len(confs) == len(list((root / "conf").rglob("*.yaml")))
+    assert len(confs) == len(list((repo / "conf").rglob("*.yaml")))
     assert "decodelab/experiments/results/agree-prompts.jsonl" in names
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
                    capture_output=True, timeout=300)

@@ -113,9 +113,11 @@ def test_every_entry_point_command_passes_its_checks_as_written(where, argv, std
     piped(monkeypatch, tmp_path, stdin)
     from decodelab.experiments.cli import precheck
 
+    whole = module.check if entry != "agree" else lambda cfg: module.check_all(cfg, argv[1:])
+    precheck(argv[1:], CONFIGS[entry], whole)  # the command line as typed (-m and all): exits 2 on a fault
     for overrides in jobs(argv[1:]):
         check = module.check if entry != "agree" else lambda cfg, o=overrides: module.check_all(cfg, o)
-        overrides = precheck(overrides, CONFIGS[entry], check)  # exits 2 naming any unknown option
+        overrides = precheck(overrides, CONFIGS[entry], check)  # each job's: exits 2 naming any unknown option
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg = compose(config_name=CONFIGS[entry], overrides=overrides)
         check(cfg)  # raises SetupError with every reason

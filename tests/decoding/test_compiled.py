@@ -463,6 +463,22 @@ def test_damaged_artifact_reads_the_path_through_dynamos_wrapper():
         assert damaged_artifact(outer, "/c/ind/") == ("/c/ind/r4/cr4.main.so", inner)
     assert damaged_artifact(ImportError("/elsewhere/x.so: file too short"), "/c/ind") is None
     assert damaged_artifact(ValueError("/c/ind/x.so"), "/c/ind") is None  # not a load or build error
+    assert damaged_artifact(OSError("[Errno 13] Permission denied: '/c/ind/x.so'"), "/c/ind") is None  # not damage
+    assert damaged_artifact(OSError("[Errno 28] No space left on device: '/c/ind/x'"), "/c/ind") is None
+
+
+def test_a_real_compile_error_is_not_taken_for_a_damaged_cache(tmp_path):
+    from decodelab.decoding.compiled import damaged_artifact
+
+    class CppCompileError(RuntimeError):
+        pass
+
+    err = CppCompileError(f"C++ compile error\nCommand:\ng++ {tmp_path}/ab/c.main.cpp -o {tmp_path}/ab/c.main.so")
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "k.so").write_bytes(b"\x7fELF")
+    assert damaged_artifact(err, str(tmp_path)) is None  # every library sound: the compiler's own error
+    (tmp_path / "ab" / "z.so").write_bytes(b"")
+    assert damaged_artifact(err, str(tmp_path)) == (f"{tmp_path}/ab/c.main.cpp", err)  # rebuilding around damage
 
 
 @pytest.mark.slow

@@ -312,3 +312,22 @@ def test_a_choice_of_a_group_option_that_does_not_exist_is_named(capsys):
     with pytest.raises(SystemExit):
         precheck(["-m", "cache=choice(dense,pagd)"], "config", check)
     assert "cache=pagd: no such cache; the options are dense, int4, paged, sliding" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["-m", "cache=choice(int4,paged)", "cache.impl=reference"],
+                                  ["-m", "cache=glob(p*)", "cache.block_size=32"]])
+def test_a_group_swept_by_a_function_takes_keys_of_its_options(argv, capsys):
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
+
+    assert precheck(argv, "config", check) == argv and capsys.readouterr().err == ""
+
+
+def test_as_lists_leaves_interpolations_escapes_and_quoted_sweeps_as_written():
+    from decodelab.experiments.cli import as_lists
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        serve, gen = compose(config_name="serve"), compose(config_name="generate")
+    kept = ["rates=${oc.env:R,1}", "backends=${x}"]
+    assert as_lists(serve, kept) == kept
+    assert as_lists(gen, ["stop=a\\,b", "stop='a','b'", "stop=ab"]) == ["stop=a\\,b", "stop='a','b'", "stop=[ab]"]

@@ -176,15 +176,30 @@ def test_only_a_run_folder_hydra_made_and_nothing_wrote_to_is_removed_on_refusal
     plain.mkdir()
     remove_if_unused(plain)  # no .hydra/: not Hydra's
     assert plain.is_dir()
-    run = tmp_path / "outputs" / "serve" / "t1"
-    (run / ".hydra").mkdir(parents=True)
-    (run / ".hydra" / "config.yaml").write_text("a: 1")
-    (run / "serve.log").write_text("log")
-    kept = tmp_path / "outputs" / "serve" / "t0"
-    (kept / ".hydra").mkdir(parents=True)
-    (kept / "results.jsonl").write_text("{}")
-    remove_if_unused(run)
-    remove_if_unused(kept)
-    assert not run.exists() and (kept / "results.jsonl").exists() and (tmp_path / "outputs" / "serve").is_dir()
+    import os
+
+    from decodelab.experiments.harness import MARK, mark_run
+
+    def hydra_run(name, *files, others=()):
+        run = tmp_path / "outputs" / "serve" / name
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "config.yaml").write_text("a: 1")
+        for f in files:
+            (run / f).write_text("x")
+        for pid in others:  # another process running in the same folder (same second)
+            (run / ".hydra" / f"{MARK}{pid}").touch()
+        mark_run(run)
+        return run
+    run, kept, shared = hydra_run("t1", "serve.log"), hydra_run("t0", "results.jsonl"), hydra_run("t2", others=[1])
+    unmarked = tmp_path / "outputs" / "serve" / "t3"
+    (unmarked / ".hydra").mkdir(parents=True)
+    older = hydra_run("t4", "serve.log")
+    os.utime(older / "serve.log", (0, 0))  # a log of a run before this process
+    for f in (run, kept, shared, unmarked, older):
+        remove_if_unused(f)
+    assert not run.exists() and (tmp_path / "outputs" / "serve").is_dir()
+    assert (kept / "results.jsonl").exists() and shared.is_dir() and unmarked.is_dir() and older.is_dir()
+    assert not (shared / ".hydra" / f"{MARK}{os.getpid()}").exists()  # its own mark gone, the other's kept
+    assert (shared / ".hydra" / f"{MARK}1").exists()
     remove_if_unused(kept.parent.parent)  # an ancestor: no .hydra/ of its own
     assert kept.exists()
