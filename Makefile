@@ -34,7 +34,7 @@ compare: setup
 generate: setup
 	$(BIN)/decodelab-generate prompt="Explain in two sentences what a KV cache is." $(ARGS)
 
-# the default test run (real-model checks are marked slow and excluded)
+# the default test run (real-model checks and heavy runs are marked slow and excluded)
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
 

@@ -21,6 +21,7 @@ def test_imports_from_a_directory_with_its_own_models_and_cache_folders(tmp_path
     assert p.stdout.split() == ["True", "True"]  # the user's cache package, and ours with its configs
 
 
+@pytest.mark.slow  # 12 s: builds and installs a wheel
 def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
     """`pip wheel .` then `pip install --target` (no editable link to the checkout): the
     configs and the packaged workload come with it; generate and load(name) work from a

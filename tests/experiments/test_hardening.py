@@ -105,6 +105,7 @@ def sweep_args(prompts: Path, sweep: Path) -> list[str]:
             f"hydra.sweep.dir={sweep}"]
 
 
+@pytest.mark.slow  # 12 s of sweeps
 def test_a_garbage_results_file_reruns_that_run_only_and_the_report_is_rebuilt(tmp_path, prompts):
     sweep = tmp_path / "sweep"
     first = entry("bench", *sweep_args(prompts, sweep))

@@ -27,6 +27,7 @@ def main_job(out: Path, *overrides: str, **env: str) -> subprocess.CompletedProc
                                **hooks, **env})
 
 
+@pytest.mark.slow  # 30 s: the whole main job on the tiny model (CI runs the slow tests after the default run)
 def test_main_job_writes_every_panel(tmp_path):
     r = main_job(tmp_path / "main")
     assert r.returncode == 0, r.stderr[-3000:]
