@@ -63,3 +63,12 @@ def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
                         "max_new_tokens=3", "model.device=cpu"], cwd=work, env=env, capture_output=True, text=True,
                        timeout=300)
     assert g.returncode == 0 and g.stdout, g.stderr[-2000:]
+
+
+def test_decodelab_cache_exports_every_backend():
+    import decodelab.cache as c
+    from decodelab.experiments.harness import group_options
+
+    names = {"dense": "DenseCache", "paged": "PagedCache", "int4": "QuantizedCache", "sliding": "SlidingCache"}
+    assert set(names) == set(group_options("cache"))  # one export per conf/cache option
+    assert all(issubclass(getattr(c, n), c.KVCache) and n in c.__all__ for n in names.values())
