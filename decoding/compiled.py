@@ -423,7 +423,7 @@ def _zero_byte_library(folder: str) -> bool:
     return False
 
 
-def _fresh_compile_cache(folder: str, bad: str, err: BaseException) -> str:
+def _fresh_compile_cache(folder: str, bad: str, err: BaseException) -> None:
     """After `bad` (under `folder`, the compile cache) failed to load: a fresh cache for the
     retry, said on stderr. Our own folder (under DECODELAB_CACHE) is deleted and made anew, so
     later runs find it sound too; a folder the user chose is left as it is (it is theirs to
@@ -445,22 +445,26 @@ def _fresh_compile_cache(folder: str, bad: str, err: BaseException) -> str:
           file=sys.stderr)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
     _forget_inductor_memos()
-    return fresh
 
 
 def _forget_inductor_memos() -> None:
     """Clear what inductor memoized in this process from the damaged cache, so that the retry
     decides afresh: which vector ISA builds (probed once per process by building and loading a
     small library in the cache folder: a damaged probe reads as no vector ISA, and the code then
-    compiled against the wrong header fails) and the C++ and Python modules it loaded."""
-    from torch._inductor import codecache, cpu_vec_isa
+    compiled against the wrong header fails) and the C++ and Python modules it loaded. These are
+    torch's private modules: a torch without them is left as it is (the retry may then fail,
+    and is refused naming the folder)."""
+    try:
+        from torch._inductor import codecache, cpu_vec_isa
 
-    for cls in [cpu_vec_isa.VecISA, *_subclasses(cpu_vec_isa.VecISA)]:
-        for f in vars(cls).values():
-            getattr(f, "cache_clear", lambda: None)()
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    codecache.CppCodeCache.cache_clear()
-    codecache.PyCodeCache.cache_clear()
+        for cls in [cpu_vec_isa.VecISA, *_subclasses(cpu_vec_isa.VecISA)]:
+            for f in vars(cls).values():
+                getattr(f, "cache_clear", lambda: None)()
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        codecache.CppCodeCache.cache_clear()
+        codecache.PyCodeCache.cache_clear()
+    except (ImportError, AttributeError):
+        pass
 
 
 def _subclasses(cls) -> list[type]:
@@ -487,9 +491,9 @@ def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "
             if found is None:
                 raise
             if attempt == 2:
-                first = " ".join(str(found[1]).strip().splitlines()[:2])[:300]
+                said = " ".join(str(found[1]).strip().splitlines()[:2])[:300]
                 raise SetupError(f"the compiled decode step failed on {found[0]} in torch's compile cache twice, "
-                                 f"the second time in a fresh folder ({type(found[1]).__name__}: {first}); delete "
+                                 f"the second time in a fresh folder ({type(found[1]).__name__}: {said}); delete "
                                  f"{folder} (rm -r {folder}) and run again, or set TORCHINDUCTOR_CACHE_DIR to "
                                  "another folder") from e
             _fresh_compile_cache(folder, *found)

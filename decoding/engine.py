@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodelab.decoding.generate import _length
+from decodelab.decoding.generate import _length, new_tokens_problems
 from decodelab.decoding.prefill import prefill, prompt_segment, token_id_problems
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 from decodelab.models.transformer import Segment
@@ -201,9 +201,10 @@ class Engine:
         """Why a request can never run here (None: it can)."""
         p = token_id_problems([req.prompt], self.model.cfg.vocab_size)
         n = req.max_new_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            p.append(f"max_new_tokens must be an integer >= 1, got {n!r}")
-        elif not p:
+        bad_n = new_tokens_problems(n)
+        fits = not p and not bad_n  # sizes are read only for valid ids and a valid count
+        p += bad_n
+        if fits:
             need = len(req.prompt) + n + self.decoder.lookahead  # a verify writes past the output
             if need > min(self.cache.capacity, self.model.cfg.max_seq_len):
                 p.append(f"prompt ({len(req.prompt)}) + max_new_tokens ({n}) = {need} tokens exceeds a cache row "

@@ -83,9 +83,9 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
     if not isinstance(prompts, list) or not prompts:
         raise SetupError("prompts must be a non-empty list of token-id lists")
     p += token_id_problems(prompts, model.cfg.vocab_size)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        p.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    else:
+    count = new_tokens_problems(max_new_tokens)
+    p += count
+    if not count:
         longest = max(map(_length, prompts))
         # a decoder that verifies ahead writes up to `lookahead` positions past the output
         need = longest + max_new_tokens + getattr(decoder, "lookahead", 0)
@@ -104,6 +104,12 @@ def check_inputs(model, cache, decoder, prompts, max_new_tokens: int, stop=(), t
                  "before its first token")
     p += decoder.problems(model, cache)
     raise_if(p)
+
+
+def new_tokens_problems(n) -> list[str]:
+    """Why `n` is not a count of tokens to generate (an int >= 1; a bool is not one)."""
+    return [] if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else [
+        f"max_new_tokens must be an integer >= 1, got {shown(n)}"]
 
 
 def argument_type_problems(model, cache, decoder) -> list[str]:

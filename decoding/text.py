@@ -11,7 +11,7 @@ from decodelab.cache.base import CacheLayout, KVCache, planned_bytes
 from decodelab.cache.dense import DenseCache
 from decodelab.decoding.compiled import static_capacity
 from decodelab.decoding.decoders import SamplingDecoder
-from decodelab.decoding.generate import GenerationResult, TokenCallback, generate
+from decodelab.decoding.generate import GenerationResult, TokenCallback, generate, new_tokens_problems
 from decodelab.models.errors import SetupError, raise_if, shown
 
 CacheFactory = Callable[..., KVCache]  # (layout, batch_size, capacity) -> cache
@@ -104,8 +104,7 @@ def text_problems(lm, prompts, decoder, cache, max_new_tokens) -> list[str]:
             and all(isinstance(t, str) for t in prompts)):
         p.append(f"prompts must be a str or a non-empty list of str, got {shown(prompts)}; "
                  "token ids go to decodelab.decoding.generate")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        p.append(f"max_new_tokens must be an integer >= 1, got {shown(max_new_tokens)}")
+    p += new_tokens_problems(max_new_tokens)
     p += decoder_type_problems(decoder) if decoder is not None else []
     if not callable(cache) or isinstance(cache, KVCache):
         p.append(f"cache must be a cache factory, called (layout, batch_size, capacity): a KVCache class such as "

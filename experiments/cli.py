@@ -38,6 +38,13 @@ def _sweep_function(value: str) -> bool:
     return "(" in value and value.rstrip().endswith(")")
 
 
+def _choices(value: str) -> list[str] | None:
+    """The options of a `choice(a,b)` sweep (quotes stripped); None for any other value."""
+    if not (_sweep_function(value) and value.startswith("choice(")):
+        return None
+    return [v.strip(" '\"") for v in value[len("choice("):value.rindex(")")].split(",")]
+
+
 def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     """(reasons for group options that do not exist, the overrides without them); a
     sweep list (`cache=dense,pagd`) is checked value by value; its first value is kept."""
@@ -47,8 +54,7 @@ def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
         group = _group(key) if eq and not arg.startswith("-") else None
         names = group_options(group) if group else []
         if _sweep_function(value):  # Hydra expands it; a choice() of group options is checked here
-            values = [v.strip(" '\"") for v in value[value.index("(") + 1:-1].split(",")]
-            bad = [v for v in values if group and value.startswith("choice(") and v and v not in names]
+            bad = [v for v in _choices(value) or [] if group and v and v not in names]
             reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
             kept += [] if bad else [arg]
             continue
@@ -144,10 +150,10 @@ def precheck(argv: list[str], config_name: str, check: Callable) -> list[str]:
             continue
         if not _sweep_function(value):
             overrides.append(_first_value(a))
-        elif _group(key) and value.startswith("choice("):  # composed with its first option
-            overrides.append(f"{key}={value[7:-1].split(',')[0].strip(chr(39) + chr(34) + ' ')}")
+        elif _group(key) and _choices(value):  # composed with its first option
+            overrides.append(f"{key}={_choices(value)[0]}")
         elif _group(key):
-            free.add(key.lstrip("+~").split("@")[0])
+            free.add(_group(key))
     groups = [a for a in overrides if _group(a.partition("=")[0])]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

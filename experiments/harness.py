@@ -181,13 +181,14 @@ def int_problems(cfg, minimums: dict[str, int], nullable: tuple[str, ...] = ("th
     return out
 
 
-def list_problems(cfg, examples: dict[str, str]) -> list[str]:
-    """Each option of `cfg` named in `examples` (key: an example value) a list (the console
-    scripts turn `key=v` into `key=[v]`; a config composed another way may still hold one)."""
+def list_problems(cfg, examples: dict[str, str]) -> dict[str, str]:
+    """key: the problem, for each option of `cfg` named in `examples` (key: an example value)
+    that is not a list (the console scripts turn `key=v` into `key=[v]`; a config composed
+    another way may still hold one)."""
     from omegaconf import ListConfig
 
-    return [f"{k} must be a list, got {v!r}; write " + (f"{k}=[{v}]" if v is not None else f"e.g. {k}=[{e}]")
-            for k, e in examples.items() if not isinstance(v := cfg.get(k), (list, ListConfig))]
+    return {k: f"{k} must be a list, got {v!r}; write " + (f"{k}=[{v}]" if v is not None else f"e.g. {k}=[{e}]")
+            for k, e in examples.items() if not isinstance(v := cfg.get(k), (list, ListConfig))}
 
 
 def model_path_problems(spec, key: str = "model") -> list[str]:
@@ -462,7 +463,7 @@ def remove_if_unused(folder: Path) -> None:
         mine.unlink(missing_ok=True)
         return
     shutil.rmtree(folder, ignore_errors=True)
-    for parent in folder.resolve().parents:  # outputs/serve, outputs: where this run made them empty
+    for parent in folder.parents:  # outputs/serve, outputs: where this run made them empty
         if parent == here or here not in parent.parents:
             break
         try:

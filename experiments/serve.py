@@ -60,9 +60,9 @@ def check(cfg: DictConfig) -> None:
                                     "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0,
                                     "repeats": 1, "headroom": 0})
     not_lists = harness.list_problems(cfg, {"rates": "inf", "backends": "dense"})
-    p += not_lists
+    p += not_lists.values()
     try:
-        rates = [] if "rates" in " ".join(not_lists) else rates_of(cfg)
+        rates = [] if "rates" in not_lists else rates_of(cfg)
         p += [f"rates must be > 0 requests/s (inf: all at once), got {r}" for r in rates if not r > 0]
         p += [] if rates or not_lists else ["rates must list at least one request rate, e.g. rates=[inf]"]
     except (TypeError, ValueError):
@@ -78,7 +78,7 @@ def check(cfg: DictConfig) -> None:
         if not (isinstance(i.prompt_tokens, int) and i.prompt_tokens >= 1 and i.at_s >= 0 and cfg.requests >= 2):
             p.append(f"trace=interference needs interference.prompt_tokens >= 1, interference.at_s >= 0 and "
                      f"requests >= 2, got {i.prompt_tokens}, {i.at_s} and {cfg.requests}")
-    backends = [] if "backends" in " ".join(not_lists) else cfg.backends
+    backends = [] if "backends" in not_lists else cfg.backends
     unknown = [b for b in backends if b not in harness.group_options("cache")]
     p += [f"backend {b!r} does not exist; the cache options are {harness.group_options('cache')}" for b in unknown]
     probe, decoder = harness._probe_layout(), harness.collect(p, lambda: decoder_of(cfg))
@@ -214,15 +214,14 @@ def offline(cfg: DictConfig, lm, fresh, reqs, first: bool) -> tuple:
     The engine run of median output tok/s, and the side-by-side metrics (medians, every
     repeat's tok/s listed). Every run gets a `fresh()` engine: an empty cache, no prefix
     cached by an earlier run."""
-    engine = fresh()
-    served = [i for i, (p, n) in enumerate(reqs) if engine.rejection(Request(p, n)) is None]  # what ours serves
-    hf = hf_model_for(lm) if cfg.compare_transformers and first and served else None
+    hf = hf_model_for(lm) if cfg.compare_transformers and first else None
     if hf is not None:
         hf_generate_batch(hf, [reqs[0][0][:16]], [4])  # warm-up, untimed
     ours, theirs = [], []
     for _ in range(cfg.repeats):
         ours.append(serve_once(fresh(), reqs, math.inf, cfg.seed))
-        if hf is not None:  # the same requests ours served (a rejected one is not given to transformers)
+        served = [i for i, r in enumerate(ours[0].requests) if r.finish_reason != "rejected"]
+        if hf is not None and served:  # the same requests ours served (a rejected one is not given to transformers)
             theirs.append(hf_generate_batch(hf, [reqs[i][0] for i in served], [reqs[i][1] for i in served]))
     tok_s = [sum(len(r.tokens) for r in x.requests) / x.wall_s for x in ours]
     result = ours[sorted(range(len(ours)), key=tok_s.__getitem__)[len(ours) // 2]]

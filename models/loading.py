@@ -617,7 +617,7 @@ def _option_problem(spec, err: TypeError) -> str:
     target = spec.get("_target_")
     try:
         fn = get_method(target)
-        names = [n for n in inspect.signature(fn).parameters if n not in ("self", "layout", "batch_size", "capacity")]
+        names = [n for n in inspect.signature(fn).parameters if n not in BUILT_BY_CALLER]
     except Exception:
         names = []
     return f"{target}: {err}; its options are: {', '.join(names) or 'unknown'}"
