@@ -1,19 +1,31 @@
-"""The native kernel library on disk: built once per key, checked before every load.
+"""The native kernel library on disk: built once per key by torch.utils.cpp_extension,
+checked before every load.
 
-A library loaded with `torch.ops.load_library` runs as machine code inside this process:
-damaged bytes in it end the process with a signal (SIGSEGV, SIGILL, SIGBUS), before any
-Python handler can say a word. So a library is loaded only when it is known good:
+`compile_extension` runs `torch.utils.cpp_extension.load` in a child process: it writes
+the ninja file into the key's folder (the extension's build directory), compiles there
+with torch's include paths and libraries, and leaves the library at `folder/LIBRARY`.
+It runs in a child because `load` also loads what it built, and this process loads a
+library only when it is known good. A library loaded with `torch.ops.load_library` runs
+as machine code inside this process: damaged bytes in it end the process with a signal
+(SIGSEGV, SIGILL, SIGBUS), before any Python handler can say a word. So:
 
 - `record` (beside the library) holds its size and xxh3-64 checksum, written when it was
   built and had passed `probe`; `library_problem` checks both (a few hundred KB: well
   under a millisecond) before every load;
 - `probe` loads a library in a throw-away subprocess and runs every operator once on small
   inputs against its torch reference: a crash there costs the subprocess, not the caller.
-  It runs after each build, and on a library found without a record (an older decodelab's);
-- `ready` makes a folder's library good: checked as it is, else (re)built under a file
-  lock (one build at a time per key: a second process waits for the first and reuses its
-  library), probed, recorded. A damaged library is rebuilt, saying so; one that cannot be
-  rebuilt is refused with the folder to delete.
+  It runs after each build, and on a library found without a record (a build killed
+  before its probe, or an older decodelab's);
+- `ready` makes a folder's library good: checked as it is, else (re)built from nothing
+  under a file lock (one build at a time per key: a second process waits for the first
+  and reuses its library), probed, recorded. A damaged library is rebuilt, saying so; one
+  that cannot be rebuilt is refused with the folder to delete.
+
+The lock is an flock beside the folder rather than cpp_extension's own (a `lock` file
+made inside it, which a build killed by SIGKILL or a power cut leaves behind, so that
+every later `load` waits on it forever): an flock goes with its process however that
+ends. Holding it, no other decodelab process builds into the folder, and a rebuild
+clears the folder first: a stale `lock`, objects of the damaged build and all.
 """
 
 from __future__ import annotations
@@ -22,17 +34,28 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import xxhash  # declared in pyproject (also the converted weights' checksums)
 
-LIBRARY = "libdecodelab_kernels.so"
+NAME = "decodelab_kernels"  # the extension's name: cpp_extension writes NAME.so
+LIBRARY = f"{NAME}.so"
 RECORD = "library.json"
 PROBE_TIMEOUT_S = 300
+
+#: build and load the extension (argv[1]: `load`'s arguments as JSON)
+BUILD = r"""
+import json, sys
+from torch.utils.cpp_extension import load
+try:
+    load(**json.loads(sys.argv[1]), is_python_module=False, is_standalone=False, verbose=False)
+except Exception as e:  # its message holds the compiler's output: that, not a traceback
+    sys.exit(f"{type(e).__name__}: {e}")
+"""
 
 #: every operator once on small inputs against its torch reference (argv[1]: the library)
 PROBE = r"""
@@ -85,6 +108,12 @@ def library_problem(folder: Path) -> str | None:
     return None
 
 
+def _signal_name(returncode: int) -> str:
+    import signal
+
+    return signal.Signals(-returncode).name
+
+
 def probe(lib: Path) -> str | None:
     """Load `lib` in a throw-away Python process and run each operator once against its
     torch reference; None when that passed, else what went wrong (a signal, a traceback)."""
@@ -96,11 +125,39 @@ def probe(lib: Path) -> str | None:
     if r.returncode == 0 and r.stdout.strip().endswith("ok"):
         return None
     if r.returncode < 0:
-        import signal
-
-        return f"loading {lib} in a probe process killed it with {signal.Signals(-r.returncode).name}"
+        return f"loading {lib} in a probe process killed it with {_signal_name(r.returncode)}"
     tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
     return f"loading {lib} in a probe process failed (exit {r.returncode}: {tail[:300]})"
+
+
+def ninja_dir() -> str | None:
+    """The folder holding the `ninja` that cpp_extension builds with: the one on PATH, else
+    the `ninja` package's (a venv's bin/, on no PATH when the venv is not activated)."""
+    if found := shutil.which("ninja"):
+        return str(Path(found).parent)
+    try:
+        import ninja  # declared in pyproject
+    except ImportError:
+        return None
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    return bin_dir if bin_dir and shutil.which("ninja", path=bin_dir) else None
+
+
+def compile_extension(folder: Path, sources: list[str], cflags: list[str], ldflags: list[str]) -> str | None:
+    """Build `folder/LIBRARY` from `sources` with torch.utils.cpp_extension (`folder` is its
+    build directory), in a child process; None, or why not (the compiler's last words)."""
+    args = {"name": NAME, "sources": sources, "extra_cflags": cflags, "extra_ldflags": ldflags,
+            "build_directory": str(folder)}
+    folder.mkdir(parents=True, exist_ok=True)  # load() expects its build directory to exist
+    env = dict(os.environ)
+    if (bin_dir := ninja_dir()) is not None:
+        env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+    r = subprocess.run([sys.executable, "-c", BUILD, json.dumps(args)], capture_output=True, text=True, env=env)
+    if r.returncode == 0 and (folder / LIBRARY).is_file():
+        return None
+    if r.returncode < 0:
+        return f"building decodelab's native kernels in {folder} killed its process with {_signal_name(r.returncode)}"
+    return f"building decodelab's native kernels in {folder} failed: {r.stderr.strip()[-600:] or 'no output'}"
 
 
 def write_record(folder: Path) -> None:
@@ -134,10 +191,10 @@ def build_lock(folder: Path):
 
 
 def ready(folder: Path, build: Callable[[Path], str | None]) -> str | None:
-    """Make `folder/LIBRARY` loadable (see the module doc); `build(tmp)` writes a fresh
-    library at `tmp/LIBRARY` and returns None, or the reason it could not. Returns None
-    when the library is good, else why it cannot be used (with the folder to delete where
-    a damaged library could not be rebuilt)."""
+    """Make `folder/LIBRARY` loadable (see the module doc); `build(folder)` writes a fresh
+    library at `folder/LIBRARY` (into a folder made empty for it) and returns None, or the
+    reason it could not. Returns None when the library is good, else why it cannot be used
+    (with the folder to delete where a damaged library could not be rebuilt)."""
     if library_problem(folder) is None:
         return None
     with build_lock(folder):
@@ -145,7 +202,7 @@ def ready(folder: Path, build: Callable[[Path], str | None]) -> str | None:
         if why is None:
             return None
         lib = folder / LIBRARY
-        if lib.is_file() and not (folder / RECORD).is_file():  # an older decodelab's build: probe it
+        if lib.is_file() and not (folder / RECORD).is_file():  # a build never probed: probe it
             if (failed := probe(lib)) is None:
                 with contextlib.suppress(OSError):  # it works: record it
                     write_record(folder)
@@ -154,29 +211,29 @@ def ready(folder: Path, build: Callable[[Path], str | None]) -> str | None:
         damaged = lib.is_file()
         if damaged:
             print(f"decodelab: {why}; rebuilding the native kernels", file=sys.stderr, flush=True)
-        failed = _build_into(folder, build)
+        failed = _build_anew(folder, build)
         if failed and damaged:
             return (f"the native kernel library is damaged ({why}) and could not be rebuilt ({failed}); delete "
                     f"{folder} (rm -r {folder}) so that the next run builds it anew")
         return failed
 
 
-def _build_into(folder: Path, build: Callable[[Path], str | None]) -> str | None:
-    """Build in a temporary folder beside `folder`, probe it, then rename the library into
-    place (a new file: a process that has the old one loaded keeps its mapping) and record it."""
+def _build_anew(folder: Path, build: Callable[[Path], str | None]) -> str | None:
+    """Empty `folder` (a process that has the old library loaded keeps its mapping: the file
+    is unlinked, not overwritten), build into it, probe the library (removed when it fails)
+    and record it."""
     try:
+        shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            tmp = Path(tmp)
-            print(f"decodelab: building the native int8/int4 kernels into {folder} (once; about a minute)",
-                  file=sys.stderr, flush=True)
-            why = build(tmp)
-            if why is None and (why := probe(tmp / LIBRARY)) is not None:
-                why = f"the freshly built library fails its check: {why}"
-            if why is not None:
-                return why
-            os.replace(tmp / LIBRARY, folder / LIBRARY)
-            write_record(folder)
+        print(f"decodelab: building the native int8/int4 kernels into {folder} (once, with "
+              "torch.utils.cpp_extension)", file=sys.stderr, flush=True)
+        why = build(folder)
+        if why is None and (why := probe(folder / LIBRARY)) is not None:
+            why = f"the freshly built library fails its check: {why}"
+        if why is not None:
+            (folder / LIBRARY).unlink(missing_ok=True)
+            return why
+        write_record(folder)
     except OSError as e:
         return (f"cannot build decodelab's native kernels into {folder} ({e.strerror or e}); set DECODELAB_CACHE to "
                 "a writable folder")

@@ -1,5 +1,7 @@
-"""The native kernel library on disk: damage is found before the library is loaded, a
-damaged library is rebuilt (or refused naming the folder), one build at a time."""
+"""The native kernel library on disk: its sources are package data, it is built with
+torch.utils.cpp_extension into a folder under DECODELAB_CACHE, damage is found before the
+library is loaded, a damaged library is rebuilt (or refused naming the folder), one build
+at a time, and a machine that cannot build gets a reason rather than an exception."""
 
 from __future__ import annotations
 
@@ -8,21 +10,25 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from fnmatch import fnmatch
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
 from decodelab.models import native
-from decodelab.models.native_build import LIBRARY, RECORD, library_problem, probe, ready
+from decodelab.models import native_build
+from decodelab.models.native_build import LIBRARY, RECORD, compile_extension, library_problem, probe, ready
+from decodelab.models.paths import cache_root
 
 pytestmark = pytest.mark.skipif(native.problem() is not None, reason=f"no native kernels here: {native.problem()}")
 
 
 def copying(calls: list):
     """A `build` that 'compiles' by copying this process's good library (and counts calls)."""
-    def build(tmp: Path):
-        calls.append(tmp)
-        shutil.copy(native.library(), tmp / LIBRARY)
+    def build(folder: Path):
+        calls.append(sorted(p.name for p in folder.iterdir()))  # what the build found there
+        shutil.copy(native.library(), folder / LIBRARY)
     return build
 
 
@@ -60,7 +66,7 @@ def test_a_damaged_library_is_found_and_rebuilt(built, damage, capsys):
     assert why and {"truncated": "truncated or changed (1,000 bytes", "random bytes": "checksum differs",
                     "random bytes, no record": "no integrity record"}[damage] in why
     calls = []
-    assert ready(built, copying(calls)) is None and len(calls) == 1
+    assert ready(built, copying(calls)) is None and calls == [[]]  # rebuilt in an emptied folder
     assert lib.read_bytes() == good and library_problem(built) is None
     err = capsys.readouterr().err
     assert "rebuilding the native kernels" in err and "building the native int8/int4 kernels" in err
@@ -92,8 +98,8 @@ def test_a_damaged_library_that_cannot_be_rebuilt_names_the_folder_to_delete(bui
 def test_a_freshly_built_library_that_fails_its_probe_is_not_installed(tmp_path):
     folder = tmp_path / "k"
 
-    def broken(tmp: Path):
-        (tmp / LIBRARY).write_bytes(b"\x7fELF" + os.urandom(2000))
+    def broken(folder: Path):
+        (folder / LIBRARY).write_bytes(b"\x7fELF" + os.urandom(2000))
     why = ready(folder, broken)
     assert why and "freshly built library fails its check" in why and not (folder / LIBRARY).exists()
 
@@ -107,12 +113,12 @@ def test_two_processes_on_an_empty_folder_build_once(tmp_path):
         import os, shutil, time
         from pathlib import Path
         from decodelab.models import native_build
-        def build(tmp):
+        def build(folder):
             with open({str(count)!r}, "a") as fh:
                 fh.write("build\\n")
             while len(os.listdir({str(started)!r})) < 2:
                 time.sleep(0.05)
-            shutil.copy({str(native.library())!r}, tmp / native_build.LIBRARY)
+            shutil.copy({str(native.library())!r}, folder / native_build.LIBRARY)
         Path({str(started)!r}, str(os.getpid())).touch()
         print(native_build.ready(Path({str(folder)!r}), build))
     """)
@@ -135,3 +141,65 @@ def test_a_fallback_says_so_once(monkeypatch, capsys):
     assert weight_kernel("int8", 128, 64, None, "cpu", "auto")[0] == "_weight_int8pack_mm"
     err = capsys.readouterr().err
     assert err.count("int8 weights run on torch's kernels") == 1 and "install gcc and g++" in err
+
+
+def test_the_kernel_sources_are_package_data():
+    """The sources are files of the package decodelab.models (read with importlib.resources),
+    and pyproject's package-data puts them in a built wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    files = native.sources()
+    assert [f.name for f in files] == ["native_kernels.cpp", "native_ops.cpp"] and all(f.is_file() for f in files)
+    assert "void dl_int8_mm(" in files[0].read_text() and "TORCH_LIBRARY(decodelab, m)" in files[1].read_text()
+    assert files[0] == resources.files("decodelab.models") / "kernels" / "native_kernels.cpp"
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    setup = pyproject["tool"]["setuptools"]
+    assert "decodelab.models.kernels" in setup["packages"]  # a folder of data files, declared as setuptools asks
+    globs = setup["package-data"]["decodelab.models.kernels"]
+    assert all(any(fnmatch(f.name, g) for g in globs) for f in files), globs
+
+
+def test_the_library_is_built_by_cpp_extension_under_the_cache():
+    """The loaded library lies in its cpp_extension build folder: DECODELAB_CACHE/kernels/<key>,
+    beside the ninja file and the objects cpp_extension made there, and as recorded."""
+    lib = native.library()
+    folder = lib.parent
+    assert lib.name == LIBRARY and folder == cache_root() / "kernels" / native._key(os.environ.get("CXX", "c++"))
+    assert {"build.ninja", "native_kernels.o", "native_ops.o", RECORD} <= {p.name for p in folder.iterdir()}
+    assert str(native.sources()[0]) in (folder / "build.ninja").read_text()
+    assert library_problem(folder) is None
+
+
+def test_a_rebuild_clears_a_stale_cpp_extension_lock_and_old_objects(built):
+    """cpp_extension waits forever on a `lock` file that a killed build left in its folder;
+    holding decodelab's flock no other build is running, so a rebuild starts from an empty
+    folder (lock, objects and the damaged library gone)."""
+    (built / "lock").touch()
+    (built / "native_ops.o").write_bytes(b"half an object")
+    os.truncate(built / LIBRARY, 1000)
+    calls = []
+    assert ready(built, copying(calls)) is None and calls == [[]]
+    assert not (built / "lock").exists() and library_problem(built) is None
+
+
+def test_a_compile_error_is_a_problem_with_the_compilers_words(tmp_path):
+    """The real cpp_extension build (in a child process) on a source that does not compile:
+    a reason naming the folder and quoting the compiler, no exception, no library."""
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int broken = ;\n")
+    why = compile_extension(tmp_path / "build", [str(bad)], [], [])
+    assert why is not None and str(tmp_path / "build") in why and "bad.cpp" in why and "error" in why
+    assert not (tmp_path / "build" / LIBRARY).exists()
+
+
+@pytest.mark.parametrize("missing", ["compiler", "ninja"])
+def test_a_machine_that_cannot_build_gets_a_reason_not_an_exception(monkeypatch, missing):
+    for name in ("_checked", "_problem", "_library"):  # restored after the test
+        monkeypatch.setattr(native, name, getattr(native, name))
+    if missing == "compiler":
+        monkeypatch.setenv("CXX", "/nonexistent/c++")
+    else:
+        monkeypatch.setattr(native_build, "ninja_dir", lambda: None)
+    monkeypatch.setattr(native_build, "ready", lambda *a: pytest.fail("a build was tried"))
+    native._build()
+    assert native._problem == native.problem() and native._problem.endswith(
+        {"compiler": "(install g++, or set CXX)", "ninja": "(pip install ninja)"}[missing])

@@ -1,0 +1,141 @@
+// The torch operators decodelab::* (CPU) over the kernels of native_kernels.cpp: argument
+// checks, fp32 conversion of activations, scales and shifts, and the output tensors.
+// Their fake (meta) implementations, for torch.compile, are registered in models/native.py.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+extern "C" {
+void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, float*, int64_t);
+int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
+void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
+int dl_decode_attn(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, int64_t, float*);
+void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*,
+                     uint16_t*);
+}
+
+static at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "decodelab native kernel: x must be [M, ", k, "], got ", x.sizes());
+    return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+static at::Tensor f32(const at::Tensor& t) {  /* scales and shifts: fp32 (a module cast to bf16 keeps working) */
+    return t.scalar_type() == at::kFloat ? t.contiguous() : t.to(at::kFloat).contiguous();
+}
+
+static void check_codes(const at::Tensor& codes, at::ScalarType type, int64_t k_mult) {
+    TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == type && codes.is_contiguous() && codes.device().is_cpu(),
+                "decodelab native kernel: codes must be a contiguous 2-D CPU tensor of ", type);
+    TORCH_CHECK(codes.size(1) % k_mult == 0, "decodelab native kernel: codes' row size ", codes.size(1),
+                " is not a multiple of ", k_mult);
+}
+
+static void check_groups(const at::Tensor& nib, const at::Tensor& sc, const at::Tensor& sh, int64_t g) {
+    int64_t k = nib.size(1) * 2;
+    TORCH_CHECK(g > 0 && g % 32 == 0 && k % g == 0, "decodelab native int4 kernel: group size ", g,
+                " must be a multiple of 32 dividing ", k);
+    TORCH_CHECK(sc.numel() == nib.size(0) * (k / g) && sh.numel() == sc.numel(),
+                "decodelab native int4 kernel: scales and shifts must hold [", nib.size(0), ", ", k / g, "]");
+}
+
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+    check_codes(codes, at::kChar, 8);
+    TORCH_CHECK(scales.numel() == codes.size(0), "decodelab native int8 kernel: one scale per output row");
+    auto xc = rows_f32(x, codes.size(1));
+    auto sc = f32(scales);
+    auto y = at::empty({xc.size(0), codes.size(0)}, xc.options());
+    dl_int8_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), codes.data_ptr<int8_t>(), sc.data_ptr<float>(),
+               y.data_ptr<float>(), codes.size(0));
+    return y;
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts,
+                   int64_t g) {
+    check_codes(nib, at::kByte, 32);
+    check_groups(nib, scales, shifts, g);
+    auto xc = rows_f32(x, nib.size(1) * 2);
+    auto sc = f32(scales), sh = f32(shifts);
+    auto y = at::empty({xc.size(0), nib.size(0)}, xc.options());
+    int rc = dl_int4_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), nib.data_ptr<uint8_t>(),
+                        sc.data_ptr<float>(), sh.data_ptr<float>(), g, y.data_ptr<float>(), nib.size(0));
+    TORCH_CHECK(rc == 0, "decodelab native int4 kernel: out of memory for the activation codes");
+    return y;
+}
+
+static void check_out(const at::Tensor& out, int64_t o0, int64_t n, int64_t rows, int64_t k) {
+    TORCH_CHECK(o0 >= 0 && n >= 0 && o0 + n <= rows, "decodelab native dequant: rows ", o0, "..", o0 + n,
+                " outside [0, ", rows, ")");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= n * k,
+                "decodelab native dequant: out must be a contiguous float32 buffer of >= ", n * k, " floats");
+}
+
+void int8_dequant(const at::Tensor& codes, const at::Tensor& scales, int64_t o0, int64_t n, at::Tensor& out) {
+    check_codes(codes, at::kChar, 8);
+    check_out(out, o0, n, codes.size(0), codes.size(1));
+    auto sc = f32(scales);
+    dl_int8_dequant(codes.data_ptr<int8_t>(), sc.data_ptr<float>(), codes.size(1), o0, n, out.data_ptr<float>());
+}
+
+void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts, int64_t g, int64_t o0,
+                  int64_t n, at::Tensor& out) {
+    check_codes(nib, at::kByte, 32);
+    check_groups(nib, scales, shifts, g);
+    int64_t k = nib.size(1) * 2;
+    bool bf16 = out.scalar_type() == at::kBFloat16;  // else float32 (check_out)
+    if (bf16) {
+        TORCH_CHECK(o0 >= 0 && n >= 0 && o0 + n <= nib.size(0), "decodelab native dequant: rows ", o0, "..", o0 + n,
+                    " outside [0, ", nib.size(0), ")");
+        TORCH_CHECK(out.is_contiguous() && out.numel() >= n * k,
+                    "decodelab native dequant: out must be a contiguous buffer of >= ", n * k, " elements");
+    } else {
+        TORCH_CHECK(out.scalar_type() == at::kFloat, "decodelab native int4 dequant: out must be float32 or "
+                    "bfloat16, got ", out.scalar_type());
+        check_out(out, o0, n, nib.size(0), k);
+    }
+    auto sc = f32(scales), sh = f32(shifts);
+    dl_int4_dequant(nib.data_ptr<uint8_t>(), sc.data_ptr<float>(), sh.data_ptr<float>(), g, k, o0, n,
+                    bf16 ? nullptr : out.data_ptr<float>(),
+                    bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& pos, double scale, int64_t window) {
+    TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+                "decodelab decode_attention: q [B, Hq, T, D], keys and values [B, Hkv, S, D]");
+    int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
+    TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0,
+                "decodelab decode_attention: shapes q ", q.sizes(), " keys ", keys.sizes());
+    TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                values.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
+                keys.device().is_cpu(), "decodelab decode_attention: contiguous float32 CPU keys and values");
+    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T,
+                "decodelab decode_attention: pos must be [B, T] = [", B, ", ", T, "]");
+    TORCH_CHECK(q.device().is_cpu() && values.device().is_cpu() && pos.device().is_cpu(),
+                "decodelab decode_attention: q, keys, values and pos must be CPU tensors");
+    auto qc = q.contiguous();
+    auto pc = pos.to(at::kLong).contiguous();
+    auto out = at::empty({B, Hq, T, D}, q.options());
+    if (out.numel() == 0 || S == 0) return out.zero_();
+    int rc = dl_decode_attn(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
+                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>());
+    TORCH_CHECK(rc == 0, "decodelab decode_attention: out of memory for the scores");
+    return out;
+}
+
+TORCH_LIBRARY(decodelab, m) {
+    m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+    m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
+    m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
+    m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window) -> Tensor");
+    m.def("int4_dequant(Tensor nib, Tensor scales, Tensor shifts, int group_size, int o0, int n, "
+          "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
+    m.impl("int8_mm", &int8_mm);
+    m.impl("int4_mm", &int4_mm);
+    m.impl("int8_dequant", &int8_dequant);
+    m.impl("decode_attention", &decode_attention);
+    m.impl("int4_dequant", &int4_dequant);
+}
