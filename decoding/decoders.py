@@ -45,14 +45,20 @@ def not_begun(decoder, call: str) -> list[str]:
 
 
 class SamplingDecoder:
-    """Plain autoregressive decoding; temperature 0 is greedy."""
+    """Plain autoregressive decoding: each step samples the next token from the model's
+    distribution at `temperature` after top-k / top-p / min-p (0 = off for top_k and
+    min_p, 1 = off for top_p), seeded by `seed`. The defaults sample from the model's own
+    distribution (temperature 1, no truncation: vLLM's `SamplingParams()`, transformers'
+    `do_sample=True` without top-k); temperature 0 is greedy (`greedy()`). They are
+    conf/decoder/sampling.yaml's, so `decoder=sampling` on the command line is
+    `SamplingDecoder()`."""
 
     #: what this decoder is, read by setup, bench and report (never its class name):
     needs_drafter = False  # built with a `drafter=` (the `draft` config group)
     lossless_at_temperature_0 = True  # greedy output is the target's own greedy output
     takes_compiled_step = True  # `step` can take a compiled one-token forward (generate's compile=True)
 
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int = 0):
         self.params = SamplingParams(temperature, top_k, top_p, min_p)
         self.seed = seed
@@ -107,5 +113,17 @@ class SamplingDecoder:
         """How many of the last step's tokens each row's output kept: no statistics here."""
 
 
-def greedy() -> SamplingDecoder:
-    return SamplingDecoder(temperature=0.0)
+def greedy(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+           seed: int = 0) -> SamplingDecoder:
+    """Greedy decoding: a `SamplingDecoder` at temperature 0, the argmax of each step's
+    logits (top_k, top_p, min_p and seed cannot change an argmax). `greedy()` is
+    conf/decoder/greedy.yaml (`decoder=greedy`, the command line's default decoder); it
+    takes SamplingDecoder's options, keyword only, so that that config keeps them
+    (`decoder.temperature=0.7` samples, as a sweep over temperature from greedy needs)."""
+    return SamplingDecoder(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+
+
+# what `greedy` builds, declared on it as on a class: setup and bench read these from a
+# config's `_target_` before building it (experiments.harness.declared)
+greedy.needs_drafter = SamplingDecoder.needs_drafter
+greedy.lossless_at_temperature_0 = SamplingDecoder.lossless_at_temperature_0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
@@ -15,6 +15,24 @@ from decodelab.models.errors import SetupError, raise_if, shown
 
 # on_token(row, token_id, text_delta): text_delta is "" without a tokenizer
 TokenCallback = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one row, as the loop keeps it (`stream`, `stream_tokens`).
+    A row's `text` pieces concatenate to its final text (`GenerationResult.text`): a piece
+    holds back an incomplete UTF-8 character and a tail that may begin a stop string, and
+    the row's last token releases the rest."""
+
+    row: int  # the prompt's index in the batch
+    token: int  # its id (the tokens of a stop string are kept; the text ends before it)
+    text: str  # the row's new text: "" without a tokenizer, or while it is held back
+    finish_reason: str | None = None  # eos | stop | length on the row's last token, else None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the row's last token."""
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -56,14 +74,16 @@ class GenerationResult:
         }
 
 
-def percentile(sorted_s: list[float], q: float) -> float | None:
-    """The q-th percentile (q in [0, 100]) of ascending times in seconds, IN MILLISECONDS:
-    the value at index round(q/100 x (n - 1)), no interpolation; None for no values.
-    E.g. [0.01, 0.02, 0.03, 0.04, 0.05]: q=50 -> 30.0, q=95 -> 50.0 (index 3.8 -> 4)."""
-    if not sorted_s:
+def percentile(seconds: list[float], q: float) -> float | None:
+    """The q-th percentile (q in [0, 100]) of times in seconds (any order), IN MILLISECONDS,
+    as `numpy.percentile(..., method="linear")` (and vLLM's benchmark_serving) computes it:
+    ascending x[0..n-1], h = q/100 x (n - 1), x[floor h] + (h - floor h) x (x[floor h + 1] - x[floor h]);
+    None for no values. E.g. [1, 2, 3, 4] s: q=50 -> h 1.5 -> 2500.0; q=99 -> h 2.97 -> 3970.0."""
+    import numpy as np
+
+    if len(seconds) == 0:
         return None
-    i = min(len(sorted_s) - 1, max(0, round(q / 100 * (len(sorted_s) - 1))))
-    return 1000 * sorted_s[i]
+    return 1000 * float(np.percentile(seconds, q, method="linear"))
 
 
 
@@ -146,18 +166,27 @@ def _length(ids) -> int:
 
 
 class _Rows:
-    """Per-row output state: tokens, times, stopping and incremental detokenization."""
+    """Per-row output state: tokens, times, stopping and incremental detokenization; the
+    tokens kept since the last `take` wait in `events`."""
 
-    def __init__(self, n: int, max_new: int, eos: set[int], stop: tuple[str, ...], tokenizer, on_token, t0):
+    def __init__(self, n: int, max_new: int, eos: set[int], stop: tuple[str, ...], tokenizer, detokenize: bool,
+                 t0: float):
         self.tokens = [[] for _ in range(n)]
         self.times = [[] for _ in range(n)]
         self.text = ["" for _ in range(n)]  # decoded so far (cut before a stop string)
         self.emitted = [0] * n  # characters of text already streamed
         self.reason: list[str | None] = [None] * n
-        self.max_new, self.eos, self.stop, self.tok, self.on_token, self.t0 = max_new, eos, stop, tokenizer, on_token, t0
+        self.events: list[TokenEvent] = []
+        self.max_new, self.eos, self.stop, self.tok, self.t0 = max_new, eos, stop, tokenizer, t0
+        self.detokenize = tokenizer is not None and (detokenize or bool(stop))  # stop strings need the text
 
     def done(self) -> bool:
         return all(r is not None for r in self.reason)
+
+    def take(self) -> list[TokenEvent]:
+        """The events of the tokens kept since the last call, in order."""
+        out, self.events = self.events, []
+        return out
 
     def add(self, row: int, produced: list[int]) -> int:
         """Append a row's new tokens, stopping at EOS, a stop string or max_new_tokens;
@@ -176,8 +205,12 @@ class _Rows:
         return len(self.tokens[row]) - before
 
     def _emit(self, row: int, t: int) -> None:
+        """The event of token `t`: the row's new text, decoded from ALL its tokens (a
+        character split over tokens, or merged across them, decodes whole), less what was
+        streamed before; an incomplete UTF-8 sequence and a tail that may begin a stop
+        string wait, until the row's last token releases everything."""
         delta = ""
-        if self.tok is not None and (self.on_token or self.stop):
+        if self.detokenize:
             full = self.tok.decode(self.tokens[row])
             final = self.reason[row] is not None
             if final or not full.endswith("\ufffd"):  # else an incomplete UTF-8 sequence: wait
@@ -188,8 +221,7 @@ class _Rows:
                 safe = len(full) if final else len(full) - _stop_prefix_len(full, self.stop)
                 delta = full[self.emitted[row]:safe]
                 self.text[row], self.emitted[row] = full, max(self.emitted[row], safe)
-        if self.on_token:
-            self.on_token(row, t, delta)
+        self.events.append(TokenEvent(row, t, delta, self.reason[row]))
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
@@ -197,21 +229,27 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
-@torch.no_grad()
-def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
-             eos_ids=(), stop=(), tokenizer=None, on_token: TokenCallback | None = None,
-             prefill_chunk: int | None = None, t_start: float | None = None,
-             tokenize_s: float = 0.0, compile: bool = False) -> GenerationResult:
-    """Generate up to `max_new_tokens` per row after `prompts` [B][n_b] token ids.
-
-    The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
-    end a row at the text before them; `on_token` streams tokens as they come.
-    `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
-    before the prefill (once per model, batch and cache capacity in a process); that time,
-    and a drafter's own compile (`draft.compile`), is `compile_s`, and the token times
-    leave it out (they count from `t_start` plus it)."""
+def stream_tokens(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
+                  eos_ids=(), stop=(), tokenizer=None, prefill_chunk: int | None = None,
+                  t_start: float | None = None, tokenize_s: float = 0.0, compile: bool = False,
+                  detokenize: bool = True) -> Generator[TokenEvent, None, GenerationResult]:
+    """`generate` as an iterator: the inputs are checked now (SetupError, before any
+    forward), then each step runs when the iterator is advanced and yields one
+    `TokenEvent` per kept token, row by row; its return value (`StopIteration.value`,
+    `result = yield from stream_tokens(...)`) is the `GenerationResult`. Leaving the loop
+    early (`break`, `close()`) stops the generation there: no further forward runs.
+    `detokenize` (with a `tokenizer`): each event carries the row's new text."""
     stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string, not its letters
     check_inputs(model, cache, decoder, prompts, max_new_tokens, stop, tokenizer, compile)
+    return _steps(model, cache, decoder, prompts, max_new_tokens, set(eos_ids), stop, tokenizer, prefill_chunk,
+                  t_start, tokenize_s, compile, detokenize)
+
+
+@torch.no_grad()
+def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer, prefill_chunk, t_start, tokenize_s,
+           compile, detokenize) -> Generator[TokenEvent, None, GenerationResult]:
+    """The loop of `stream_tokens` (its inputs checked): prefill, then one decoder step
+    per round until every row has stopped; the kept tokens' events after each round."""
     forward, compile_s = {}, 0.0
     if compile:
         t = time.perf_counter()
@@ -222,7 +260,7 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     decoder.begin(model.device, prompts, cache.capacity)
     begin_compile = getattr(decoder, "compile_s", 0.0)  # a drafter's compiled step, compiled in `begin`
     t0, compile_s = t0 + begin_compile, compile_s + begin_compile
-    rows = _Rows(len(prompts), max_new_tokens, set(eos_ids), stop, tokenizer, on_token, t0)
+    rows = _Rows(len(prompts), max_new_tokens, eos, stop, tokenizer, detokenize, t0)
     t_prefill = time.perf_counter()
     logits = prefill(model, cache, prompts, prefill_chunk)
     sync(model.device)
@@ -230,15 +268,49 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     last = decoder.start(logits)  # [B]
     for b, t in enumerate(last.tolist()):
         rows.add(b, [t])
+    yield from rows.take()
     while not rows.done():
         left = max(max_new_tokens - len(t) for t, r in zip(rows.tokens, rows.reason) if r is None)
         produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason], left=left, **forward)
         kept = [rows.add(b, toks) for b, toks in enumerate(produced)]
         getattr(decoder, "output_kept", lambda kept: None)(kept)  # stats count the output
         last = torch.tensor([p[-1] for p in produced], device=model.device)
+        yield from rows.take()
     text = None
     if tokenizer is not None:
         text = [rows.text[b] if rows.reason[b] == "stop" else tokenizer.decode(rows.tokens[b])
                 for b in range(len(prompts))]
     return GenerationResult(rows.tokens, text, rows.reason, [len(p) for p in prompts], rows.times,
                             prefill_s, tokenize_s, cache.memory_report(), decoder.stats, compile_s)
+
+
+def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
+             eos_ids=(), stop=(), tokenizer=None, on_token: TokenCallback | None = None,
+             prefill_chunk: int | None = None, t_start: float | None = None,
+             tokenize_s: float = 0.0, compile: bool = False) -> GenerationResult:
+    """Generate up to `max_new_tokens` per row after `prompts` [B][n_b] token ids.
+
+    The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
+    end a row at the text before them; `on_token(row, token_id, text)` streams tokens as
+    they come (`stream_tokens` is this loop as an iterator of events).
+    `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
+    before the prefill (once per model, batch and cache capacity in a process); that time,
+    and a drafter's own compile (`draft.compile`), is `compile_s`, and the token times
+    leave it out (they count from `t_start` plus it)."""
+    events = stream_tokens(model, cache, decoder, prompts, max_new_tokens, eos_ids=eos_ids, stop=stop,
+                           tokenizer=tokenizer, prefill_chunk=prefill_chunk, t_start=t_start,
+                           tokenize_s=tokenize_s, compile=compile, detokenize=on_token is not None)
+    return drain(events, on_token)
+
+
+def drain(events: Generator[TokenEvent, None, GenerationResult],
+          on_token: TokenCallback | None = None) -> GenerationResult:
+    """Run a `stream_tokens` iterator to its end, calling `on_token(row, token_id, text)`
+    on each event; its `GenerationResult`."""
+    while True:
+        try:
+            e = next(events)
+        except StopIteration as done:
+            return done.value
+        if on_token is not None:
+            on_token(e.row, e.token, e.text)

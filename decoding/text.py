@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Generator
 
 import torch
 
 from decodelab.cache.base import CacheLayout, KVCache, planned_bytes
 from decodelab.cache.dense import DenseCache
+from decodelab.cache.factory import CacheFactory
 from decodelab.decoding.compiled import static_capacity
-from decodelab.decoding.decoders import SamplingDecoder
-from decodelab.decoding.generate import GenerationResult, TokenCallback, generate, new_tokens_problems
+from decodelab.decoding.decoders import greedy
+from decodelab.decoding.generate import (GenerationResult, TokenCallback, TokenEvent, drain, new_tokens_problems,
+                                         stream_tokens)
 from decodelab.models.errors import SetupError, raise_if, shown
-
-CacheFactory = Callable[..., KVCache]  # (layout, batch_size, capacity) -> cache
 
 GiB = 2**30
 
@@ -108,7 +108,8 @@ def text_problems(lm, prompts, decoder, cache, max_new_tokens) -> list[str]:
     p += decoder_type_problems(decoder) if decoder is not None else []
     if not callable(cache) or isinstance(cache, KVCache):
         p.append(f"cache must be a cache factory, called (layout, batch_size, capacity): a KVCache class such as "
-                 f"DenseCache, or decodelab.experiments.harness.cache_factory('paged'); got {shown(cache)}")
+                 f"DenseCache, functools.partial(PagedCache, block_size=32), or decodelab.cache.backend('paged') "
+                 f"(a conf/cache option by name); got {shown(cache)}")
     return p
 
 
@@ -117,19 +118,36 @@ def generate_text(lm, prompts: str | list[str], *, decoder=None, cache: CacheFac
                   on_token: TokenCallback | None = None, prefill_chunk: int | None = None,
                   compile: bool = False) -> GenerationResult:
     """Generate from text prompts with a `LoadedModel`; greedy and dense by default.
-    `compile=True`: a compiled decode step (`generate`); then, and with a drafter that
-    compiles, over a capacity rounded up so that nearby prompt lengths share one compile
-    (`compiled_capacity`)."""
+    `on_token(row, token_id, text)` streams each token as it comes (`stream` is the same
+    as an iterator). `compile=True`: a compiled decode step (`generate`); then, and with a
+    drafter that compiles, over a capacity rounded up so that nearby prompt lengths share
+    one compile (`compiled_capacity`)."""
+    events = stream(lm, prompts, decoder=decoder, cache=cache, max_new_tokens=max_new_tokens, chat=chat, stop=stop,
+                    prefill_chunk=prefill_chunk, compile=compile, detokenize=on_token is not None)
+    return drain(events, on_token)
+
+
+def stream(lm, prompts: str | list[str], *, decoder=None, cache: CacheFactory = DenseCache,
+           max_new_tokens: int = 64, chat: bool = False, stop=(), prefill_chunk: int | None = None,
+           compile: bool = False, detokenize: bool = True) -> Generator[TokenEvent, None, GenerationResult]:
+    """`generate_text` as an iterator, `for event in stream(lm, prompts, ...)`: one
+    `TokenEvent(row, token, text, finish_reason)` per generated token of every row, as the
+    steps produce them; each row's `text` pieces concatenate to its final text. The inputs
+    are checked, the prompts tokenized and the cache built now (a SetupError before any
+    forward); each step runs when the iterator is advanced, so leaving the loop early
+    (`break`) stops the generation there. Its return value (`StopIteration.value`) is the
+    `GenerationResult`, timings included. `detokenize=False`: events without text (no
+    decoding per token)."""
     t0 = time.perf_counter()
     raise_if(text_problems(lm, prompts, decoder, cache, max_new_tokens))
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [lm.tokenizer.encode(t, chat=chat) for t in texts]
     tokenize_s = time.perf_counter() - t0
-    decoder = decoder or SamplingDecoder()
+    decoder = decoder or greedy()
     capacity = max(len(x) for x in ids) + max_new_tokens + decoder.lookahead
     if compile or getattr(getattr(decoder, "drafter", None), "compile", False):  # a step compiles
         capacity = compiled_capacity(lm.model, len(ids), capacity, cache)
     kv = make_cache(lm.model, len(ids), capacity, cache)
-    return generate(lm.model, kv, decoder, ids, max_new_tokens,
-                    eos_ids=lm.tokenizer.eos_ids, stop=stop, tokenizer=lm.tokenizer, on_token=on_token,
-                    prefill_chunk=prefill_chunk, t_start=t0, tokenize_s=tokenize_s, compile=compile)
+    return stream_tokens(lm.model, kv, decoder, ids, max_new_tokens, eos_ids=lm.tokenizer.eos_ids, stop=stop,
+                         tokenizer=lm.tokenizer, prefill_chunk=prefill_chunk, t_start=t0, tokenize_s=tokenize_s,
+                         compile=compile, detokenize=detokenize)

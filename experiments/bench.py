@@ -141,7 +141,7 @@ def prompt_record(res, b: int, prompt_id: str, prompt_ids: list[int], factory, d
            "compile_ms": 1e3 * res.compile_s,
            "first_sample_ms": 1e3 * (times[0] - res.tokenize_s - res.prefill_s), "ttft_ms": 1e3 * times[0],
            "itl_ms": [1e3 * x for x in itl], "context": [n + i for i in range(len(itl))],
-           **{f"itl_p{q}_ms": percentile(sorted(itl), q) for q in (50, 95, 99)},
+           **{f"itl_p{q}_ms": percentile(itl, q) for q in (50, 95, 99)},
            "decode_s": dec_s, "decode_tok_s": len(itl) / dec_s if dec_s > 0 else None,
            "prompt_tok_s": n / res.prefill_s if res.prefill_s > 0 else None,
            "kv_bytes_formula": res.kv["kv_bytes_formula"], "kv_bytes_allocated": res.kv["kv_bytes_allocated"],
@@ -181,7 +181,7 @@ def hf_generate(hf, ids: list[int], new_tokens: int, eos: tuple, ours: list[int]
 # -- the summary ------------------------------------------------------------------------------
 def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
     """The run's summary line: medians / pooled percentiles / totals over its prompts."""
-    itl = sorted(x / 1e3 for r in recs for x in r["itl_ms"])
+    itl = [x / 1e3 for r in recs for x in r["itl_ms"]]
     dec_tokens = sum(len(r["itl_ms"]) for r in recs)
     dec_s = sum(r["decode_s"] for r in recs)
     pre_s = sum(r["prefill_ms"] for r in recs) / 1e3
@@ -207,7 +207,7 @@ def summarize(recs: list[dict], cfg: DictConfig, run_hash: str, lm) -> dict:
         **vs_greedy([r for r in recs if r.get("greedy")]),
         **vs_transformers([r for r in recs if r.get("transformers")]),
     }
-    cond = {**harness.run_conditions(lm.model), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
+    cond = {**harness.run_conditions(lm), "batch": cfg.batch_size, "seed": cfg.decoder.get("seed")}
     return harness.summary("bench", run_hash, describe(cfg), metrics, cond, cfg)
 
 
@@ -286,6 +286,13 @@ def measure_run(cfg: DictConfig, out: Path, workload, run_hash: str) -> dict:
     summary = summarize(recs, cfg, run_hash, lm)
     harness.write_jsonl(out / RESULTS, recs + [summary])
     log.info("wrote %s: %s", out / RESULTS, {k: v for k, v in summary["metrics"].items() if v is not None})
+    if not harness.multirun():  # a sweep's table comes once, from ReportCallback at its end
+        from decodelab.experiments.report import markdown_table
+
+        metrics = {"setup": summary["setup"].get("name"), **{k: v for k, v in summary["metrics"].items()
+                                                            if v is not None and not isinstance(v, (list, dict))}}
+        print(markdown_table([metrics], list(metrics)))
+        print(f"results: {out / RESULTS}")
     return summary
 
 

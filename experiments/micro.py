@@ -286,11 +286,12 @@ def _rotated(names: list[str], k: int) -> list[str]:
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    """(25th percentile, median, 75th percentile) of xs."""
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return q1, q2, q3
+    """(25th percentile, median, 75th percentile) of xs, interpolated linearly as
+    `numpy.percentile(..., method="linear")` does (as `decoding.generate.percentile`)."""
+    import numpy as np
+
+    q1, q2, q3 = np.percentile(xs, [25, 50, 75], method="linear")
+    return float(q1), float(q2), float(q3)
 
 
 def weights(cfg, lm, hf) -> list[dict]:
@@ -578,12 +579,12 @@ def run(cfg: DictConfig, out) -> list[dict]:
     hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (cfg.part in ("weights", "weights_quality")
                                                                      and cfg.compare_transformers) else None
     rows = PARTS[cfg.part](cfg, lm, hf)
-    cond = harness.run_conditions(lm.model)
+    cond = harness.run_conditions(lm)
     rid = harness.run_id(cfg.part)
     recs = [harness.summary("micro", f"{rid}-{i}", {"name": cfg.part, "model": lm.name}, row, cond, cfg)
             for i, row in enumerate(rows)]
     print(markdown_table(rows, list(dict.fromkeys(k for r in rows for k in r))))
-    print(f"model={lm.name} conditions: {cond}")
+    print(f"model={lm.name} conditions: {cond}", file=sys.stderr)  # stdout: the table and the path, data only
     print(f"wrote {harness.write_jsonl(out / harness.RESULTS, recs)}")
     return rows
 

@@ -11,6 +11,9 @@ point gets its table (bench: the comparison columns; agree, micro, gpu_check: th
 metrics). The plots: bench's generations (TTFT, ITL and KV bytes vs context, speculative
 speedup vs gamma measured and predicted), agree's matrix (top-1 and KL per setup) and
 micro part=weights (decode tok/s vs context per weight type), where the runs have data.
+
+For analysis in Python, `load_results(path)` gives every record as pandas DataFrames, one
+per kind, nested fields as dotted columns (`frames["summary"]["metrics.decode_tok_s"]`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ import math
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from decodelab.experiments import harness
 from decodelab.models.errors import SetupError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger("decodelab.report")
 
@@ -48,17 +55,22 @@ HEADERS = {"name": "setup", "ttft_ms": "TTFT ms", "itl_p50_ms": "ITL p50 ms", "i
 
 
 # -- loading -------------------------------------------------------------------------------
-def read_results(path: str | Path) -> list[dict]:
-    """The summary records of one `results.jsonl`, with their prompt lines (same `run`) as `prompts`,
-    their engine steps (serve) as `timeline` and the file as `path`; a non-object line is skipped
-    with a warning, an unfinished run gives []."""
+def results_files(path: str | Path) -> list[Path]:
+    """`path` itself when it is a file, else every `results.jsonl` under it (a run folder, a
+    sweep's numbered jobs, any depth), in path order."""
     path = Path(path)
-    summaries, prompts, timelines = [], {}, {}
+    return [path] if path.is_file() else sorted(path.rglob(RESULTS))
+
+
+def read_records(path: str | Path) -> list[dict] | None:
+    """The JSON-object lines of one results file, in order; a blank line is nothing, any other
+    line is skipped with a warning; None (with a warning) for an unreadable file."""
     try:
-        lines = path.read_text().splitlines()
+        lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         log.warning("%s: unreadable (%s); skipped", path, e)
-        return []
+        return None
+    records = []
     for i, line in enumerate(lines, 1):
         try:
             rec = json.loads(line) if line.strip() else {}  # a blank line: nothing
@@ -66,16 +78,52 @@ def read_results(path: str | Path) -> list[dict]:
             rec = None
         if not isinstance(rec, dict):
             log.warning("%s:%d: not a JSON object; line skipped", path, i)
-        elif rec.get("kind") == "summary":
-            summaries.append(rec)
-        elif rec.get("kind") == "prompt":
-            prompts.setdefault(rec.get("run"), []).append(rec)
-        elif rec.get("kind") == "timeline":  # serve: one line per engine step
-            timelines.setdefault(rec.get("run"), []).append(rec)
+        elif rec:
+            records.append(rec)
+    return records
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """The summary records of one `results.jsonl`, with their prompt lines (same `run`) as `prompts`,
+    their engine steps (serve) as `timeline` and the file as `path`; a non-object line is skipped
+    with a warning, an unfinished run gives []."""
+    path, records = Path(path), read_records(path)
+    if records is None:
+        return []
+    summaries = [r for r in records if r.get("kind") == "summary"]
+    by_run: dict[str, dict] = {"prompt": {}, "timeline": {}}  # timeline, serve: one line per engine step
+    for rec in records:
+        if rec.get("kind") in by_run:
+            by_run[rec["kind"]].setdefault(rec.get("run"), []).append(rec)
     if not summaries:
         log.warning("%s: no summary line (the run did not finish); skipped", path)
-    return [{**s, "prompts": prompts.get(s.get("run"), []), "timeline": timelines.get(s.get("run"), []), "path": path}
-            for s in summaries]
+    return [{**s, "prompts": by_run["prompt"].get(s.get("run"), []),
+             "timeline": by_run["timeline"].get(s.get("run"), []), "path": path} for s in summaries]
+
+
+def load_results(path: str | Path) -> dict[str, pd.DataFrame]:
+    """Every record under `path` (a `results.jsonl`, a run folder, or a tree of them such as a
+    Hydra multirun) as {kind: pandas.DataFrame}, one frame per record `kind` (`summary`,
+    `prompt`, `timeline`; a line without one: `unknown`), rows in path and line order.
+    Nested dicts are flattened into dotted columns (`setup.cache`, `metrics.decode_tok_s`,
+    `conditions.git`, `config.model.name`, `spec.alpha`), lists stay one cell (`itl_ms`);
+    a frame has only the columns some row of its kind fills (none all-missing). Each row
+    gets `path` (its file) and `entry` (a prompt or timeline line: that of the summary
+    with the same `run` in its file). Raw, unlike `load_runs`: an unfinished run's lines
+    and a repeated run ID are kept; a bad line or an unreadable file is skipped with a warning
+    (`read_records`); a folder with no results gives {}, a missing `path` FileNotFoundError."""
+    import pandas as pd  # only here: importing report stays light
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (give a {RESULTS} or a folder holding some)")
+    rows: dict[str, list[dict]] = {}
+    for file in results_files(path):
+        records = read_records(file) or []
+        entries = {r.get("run"): r.get("entry") for r in records if r.get("kind") == "summary"}
+        for r in records:
+            row = {**r, "entry": r.get("entry", entries.get(r.get("run"))), "path": str(file)}
+            rows.setdefault(str(r.get("kind", "unknown")), []).append(row)
+    return {kind: pd.json_normalize(recs, sep=".").dropna(axis=1, how="all") for kind, recs in rows.items()}
 
 
 def finished_at(run: dict) -> datetime:
@@ -90,7 +138,7 @@ def finished_at(run: dict) -> datetime:
 def load_runs(root: str | Path) -> list[dict]:
     """The finished runs under `root` (see `read_results`), one per run ID (the newest
     `finished`; ties: the later path), in path order."""
-    runs = [r for p in sorted(Path(root).rglob(RESULTS)) for r in read_results(p)]
+    runs = [r for p in results_files(root) for r in read_results(p)]
     newest = {r.get("run") or str(r["path"]): r for r in sorted(runs, key=finished_at)}  # stable: ties keep path order
     return sorted(newest.values(), key=lambda r: str(r["path"]))
 
@@ -157,7 +205,7 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     numbers right-aligned and '-' for missing values."""
     cols = list(columns) if columns is not None else entry_columns("bench", rows)
     numeric = {c for c in cols for r in rows if isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)}
-    lines = ["| " + " | ".join(HEADERS.get(c, c) for c in cols) + " |",
+    lines = ["| " + " | ".join(HEADERS.get(c, c).replace("|", "\\|") for c in cols) + " |",
              "|" + "|".join("---:" if c in numeric else "---" for c in cols) + "|"]
     lines += ["| " + " | ".join(fmt(r.get(c)).replace("|", "\\|") for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -421,7 +469,7 @@ def run(cfg, _output_dir: Path) -> None:
                           "files: decodelab-report dir=outputs/sweeps/compare (or the directory alone)")
     paths = write_report(cfg.dir, cfg.out)
     print(paths["md"].read_text())
-    print("\n".join(f"wrote {path}" for path in paths.values()), file=sys.stderr)
+    print("\n".join(f"wrote {path}" for path in paths.values()))
 
 
 main = harness.hydra_app("report", run)

@@ -155,7 +155,7 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 # -- metrics --------------------------------------------------------------------------------
 def _pcts(values: list[float], name: str) -> dict:
-    v = sorted(x for x in values if x is not None)
+    v = [x for x in values if x is not None]
     return {f"{name}_p50_ms": percentile(v, 50), f"{name}_p99_ms": percentile(v, 99)}
 
 
@@ -238,7 +238,7 @@ def transformers_metrics(runs: list[dict], ours: list[list[int]]) -> dict:
     n_out = sum(len(t) for t in runs[0]["tokens"])
     walls = [n_out / g["wall_s"] for g in runs]
     mid = runs[sorted(range(len(runs)), key=walls.__getitem__)[len(runs) // 2]]
-    ttft = sorted(t for t in mid["ttft_s"] if t is not None)
+    ttft = [t for t in mid["ttft_s"] if t is not None]
     return {"hf_output_tok_s": statistics.median(walls), "hf_output_tok_s_repeats": walls,
             "hf_gen_output_tok_s": statistics.median(n_out / g["gen_s"] for g in runs),
             "hf_ttft_p50_ms": percentile(ttft, 50), "hf_ttft_p99_ms": percentile(ttft, 99),
@@ -348,7 +348,7 @@ def run(cfg: DictConfig, out: Path) -> int:
     lm = harness.load_model(cfg)
     reqs = trace(cfg, lm)
     capacity = capacity_of(cfg, lm, reqs)
-    conditions, run_id = harness.run_conditions(lm.model), harness.run_id("serve")
+    conditions, run_id = harness.run_conditions(lm), harness.run_id("serve")
     log.info("trace %s: %d requests, prompts %d-%d tokens, outputs %d-%d", cfg.trace, len(reqs),
              min(len(p) for p, _ in reqs), max(len(p) for p, _ in reqs), min(n for _, n in reqs),
              max(n for _, n in reqs))

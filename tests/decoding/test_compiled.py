@@ -205,7 +205,7 @@ def test_generate_compiled_equals_eager_every_family(tiny, backend, eager_backen
     by each layer's window)."""
     model = tiny.model
     factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
-    for make in (lambda: SamplingDecoder(), lambda: SamplingDecoder(temperature=0.8, top_k=20, seed=3)):
+    for make in (lambda: SamplingDecoder(temperature=0.0), lambda: SamplingDecoder(temperature=0.8, top_k=20, seed=3)):
         want = _gen(model, factory, make(), False)
         got = _gen(model, factory, make(), True)
         assert got.tokens == want.tokens
@@ -262,7 +262,8 @@ def test_generate_compile_refusals(tiny_llama, tiny_gemma):
     assert int(cache.lengths.max()) == 0  # nothing ran
     gemma = tiny_gemma.model
     with pytest.raises(SetupError, match="compile=true: the SlidingCache backend cannot"):
-        generate(gemma, cache_for(gemma, 2, 40, SlidingCache), SamplingDecoder(), PROMPTS, 4, compile=True)
+        generate(gemma, cache_for(gemma, 2, 40, SlidingCache), SamplingDecoder(temperature=0.0), PROMPTS, 4,
+                 compile=True)
 
 
 def test_compiled_capacity_rounds_only_where_the_rounded_cache_fits(tiny_llama):

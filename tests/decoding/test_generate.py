@@ -138,6 +138,26 @@ def test_timestamps_and_summary(tiny_llama):
     assert s["kv_bytes_allocated"] == 2 * 2 * 2 * 40 * 2 * 16 * 4
 
 
+def test_percentile_interpolates_linearly_as_numpy_and_vllm():
+    """h = q/100 x (n - 1) into the ascending times, linear between neighbours, in ms:
+    [1, 2, 3, 4] s: p50 at h 1.5 = 2 + 0.5 x 1 -> 2500; p95 at h 2.85 -> 3850; p99 at h 2.97 -> 3970."""
+    from decodelab.decoding.generate import GenerationResult, percentile
+
+    times = [4.0, 1.0, 3.0, 2.0]  # any order: sorted inside
+    assert percentile(times, 50) == pytest.approx(2500.0)
+    assert percentile(times, 95) == pytest.approx(3850.0)
+    assert percentile(times, 99) == pytest.approx(3970.0)
+    assert percentile(times, 0) == pytest.approx(1000.0) and percentile(times, 100) == pytest.approx(4000.0)
+    # h 3.8: 40 + 0.8 x 10 (nearest rank, the old rule, gave 50)
+    assert percentile([0.01, 0.02, 0.03, 0.04, 0.05], 95) == pytest.approx(48.0)
+    assert percentile([0.25], 99) == pytest.approx(250.0) and percentile([], 50) is None
+    # the summary's ITL percentiles: gaps 0.1, 0.2, 0.3, 0.4 s -> 250, 385 (h 2.85), 397 (h 2.97) ms
+    r = GenerationResult(tokens=[[1] * 5], text=None, finish_reasons=["length"], prompt_lengths=[3],
+                         token_times=[[0.1, 0.2, 0.4, 0.7, 1.1]], prefill_s=0.05)
+    s = r.summary()
+    assert (s["itl_p50_ms"], s["itl_p95_ms"], s["itl_p99_ms"]) == pytest.approx((250.0, 385.0, 397.0))
+
+
 def test_sampling_same_seed_same_output(tiny_llama):
     m = tiny_llama.model
     ids = random_ids(5)

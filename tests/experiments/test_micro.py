@@ -120,6 +120,14 @@ def test_mixed_step_times_each_way_per_backend_and_chunk(tmp_path, monkeypatch):
         micro(tmp_path, "part=mixed_step", "chunks=[0]")
 
 
+def test_ttft_quartiles_interpolate_linearly_as_the_latency_percentiles():
+    """numpy's linear percentiles, h = q/100 x (n - 1): ratios 1..4 -> 1.75, 2.5, 3.25; one ratio: itself."""
+    from decodelab.experiments.micro import _quartiles
+
+    assert _quartiles([4.0, 1.0, 3.0, 2.0]) == pytest.approx((1.75, 2.5, 3.25))
+    assert _quartiles([1.5]) == (1.5, 1.5, 1.5)
+
+
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     g = sys.modules["decodelab.decoding.generate"]  # compiled steps through dynamo's eager backend (fast to build)
     monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))

@@ -151,7 +151,7 @@ def test_cli_prints_table_and_paths(sweep):
     r = subprocess.run([str(Path(sys.executable).parent / "decodelab-report"), str(sweep)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "| speedup vs greedy |" in r.stdout and f"wrote {sweep / 'report.csv'}" in r.stderr
+    assert "| speedup vs greedy |" in r.stdout and f"wrote {sweep / 'report.csv'}" in r.stdout  # data: stdout
     assert (sweep / "speculative_vs_gamma.png").exists()
 
 
@@ -231,3 +231,93 @@ def test_measured_and_predicted_series_share_a_colour_and_sources_stay_apart(swe
     runs = [{"setup": {"name": "int4", "reference": ref}, "metrics": {"top1": t, "mean_kl": 0.01, "passed": True}}
             for ref, t in (("dense", 0.9), ("transformers", 0.8))]
     assert sorted(agreement_values(runs)[0]) == ["int4 dense", "int4 transformers"]
+
+
+# -- load_results: every record as one DataFrame per kind ---------------------------------------
+def harness_sweep(root: Path) -> Path:
+    """A Hydra multirun as the harness writes it (`summary`, `write_jsonl`): job 0 a bench run
+    (two prompt lines, a speculative one), job 1 a serve run (a request, two engine steps),
+    job 2 unfinished (a prompt line, no summary)."""
+    from omegaconf import OmegaConf
+
+    from decodelab.experiments import harness
+
+    cfg = OmegaConf.create({"model": {"name": "tiny-llama", "dim": 64}, "max_new_tokens": 3})
+    cond = {"git": "abc1234", "threads": 1}
+    bench = [{"kind": "prompt", "run": "b1", "prompt_id": "p0", "itl_ms": [10.0, 12.0], "spec": None},
+             {"kind": "prompt", "run": "b1", "prompt_id": "p1", "itl_ms": [11.0], "spec": {"alpha": 0.7}},
+             harness.summary("bench", "b1", {"name": "dense", "cache": "dense", "gamma": None},
+                             {"decode_tok_s": 20.0, "itl_p99_ms": 11.97}, cond, cfg)]
+    serve = [{"kind": "prompt", "run": "s1", "id": "r0", "ttft_s": 0.5, "token_times": [0.5, 0.6]},
+             {"kind": "timeline", "run": "s1", "t": 0.0, "running": 1, "kv_bytes": 4096},
+             {"kind": "timeline", "run": "s1", "t": 0.1, "running": 0, "kv_bytes": 0},
+             harness.summary("serve", "s1", {"name": "paged-inf", "cache": "paged", "rate": float("inf")},
+                             {"output_tok_s": 40.0, "ttft_p99_ms": 500.0}, cond, cfg)]
+    root.mkdir(parents=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    harness.write_jsonl(root / "0" / "results.jsonl", bench)
+    harness.write_jsonl(root / "1" / "results.jsonl", serve)
+    harness.write_jsonl(root / "2" / "results.jsonl", [{"kind": "prompt", "run": "u1", "prompt_id": "p9"}])
+    return root
+
+
+def test_load_results_one_flat_frame_per_kind_from_a_multirun(tmp_path):
+    from decodelab.experiments.report import load_results
+
+    root = harness_sweep(tmp_path / "sweep")
+    frames = load_results(root)
+    assert sorted(frames) == ["prompt", "summary", "timeline"]
+    s, p, t = frames["summary"], frames["prompt"], frames["timeline"]
+    assert len(s) == 2 and len(p) == 4 and len(t) == 2
+    assert s["entry"].tolist() == ["bench", "serve"] and s["run"].tolist() == ["b1", "s1"]
+    assert s["setup.cache"].tolist() == ["dense", "paged"] and s["setup.rate"].iloc[1] == float("inf")
+    assert s["metrics.decode_tok_s"].iloc[0] == 20.0 and s["metrics.output_tok_s"].iloc[1] == 40.0
+    assert s["metrics.itl_p99_ms"].iloc[0] == 11.97 and s["metrics.ttft_p99_ms"].iloc[1] == 500.0
+    assert s["conditions.git"].tolist() == ["abc1234"] * 2 and s["config.model.name"].tolist() == ["tiny-llama"] * 2
+    assert s["config.model.dim"].tolist() == [64, 64] and s["config.max_new_tokens"].tolist() == [3, 3]
+    assert not {"setup", "metrics", "conditions", "config", "setup.gamma"} & set(s.columns)  # flat; all-None dropped
+    assert s["path"].tolist() == [str(root / "0" / "results.jsonl"), str(root / "1" / "results.jsonl")]
+    # prompt lines of every job, the entry from their run's summary (none for the unfinished job)
+    assert p["prompt_id"].tolist()[:2] == ["p0", "p1"] and p["prompt_id"].iloc[3] == "p9"
+    assert p["entry"].tolist()[:3] == ["bench", "bench", "serve"] and p["entry"].isna().iloc[3]
+    assert p["itl_ms"].iloc[0] == [10.0, 12.0] and p["token_times"].iloc[2] == [0.5, 0.6]  # lists: one cell
+    assert p["spec.alpha"].iloc[1] == 0.7 and "spec" not in p.columns and p["ttft_s"].iloc[2] == 0.5
+    assert p["path"].iloc[3] == str(root / "2" / "results.jsonl")
+    assert list(t.columns) == ["kind", "run", "t", "running", "kv_bytes", "entry", "path"]
+    assert t["kv_bytes"].tolist() == [4096, 0] and t["entry"].tolist() == ["serve", "serve"]
+    for frame in frames.values():
+        assert not frame.isna().all().any()  # only the columns that kind has
+
+
+def test_load_results_of_one_run_folder_or_file_and_raw_unlike_load_runs(sweep, tmp_path, caplog):
+    from decodelab.experiments.report import load_results
+
+    root = harness_sweep(tmp_path / "h")
+    one = load_results(root / "1")
+    assert sorted(one) == ["prompt", "summary", "timeline"] and one["summary"]["run"].tolist() == ["s1"]
+    assert load_results(root / "0" / "results.jsonl").keys() == {"prompt", "summary"}
+    # report's sweep: 7 files, one unfinished, one run ID twice; load_runs keeps 5 runs, load_results every line
+    frames = load_results(sweep)
+    assert len(frames["summary"]) == 6 and len(frames["prompt"]) == 7 * 3 and len(load_runs(sweep)) == 5
+    assert frames["summary"]["run"].tolist().count("a00000000002") == 2
+    assert sorted(frames["summary"]["metrics.decode_tok_s"])[-1] == 40.0
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.jsonl").write_text('{"kind": "summary", "run": "x"}\n[1]\n{"run": "y"}\n')
+    bad = load_results(tmp_path / "bad")
+    assert bad["summary"]["run"].tolist() == ["x"] and bad["unknown"]["run"].tolist() == ["y"]
+    assert any("results.jsonl:2: not a JSON object" in m for m in caplog.messages)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_results(tmp_path / "nope")
+
+
+def test_load_results_reads_a_checked_in_sweep():
+    """experiments/results/compare: the 8 jobs of `decodelab-bench -m experiment=compare`."""
+    from decodelab.experiments.report import load_results
+
+    frames = load_results(ROOT / "experiments" / "results" / "compare")
+    s = frames["summary"]
+    assert sorted(frames) == ["prompt", "summary"] and len(s) == 8 and set(s["entry"]) == {"bench"}
+    assert sorted(s["setup.cache"]) == sorted(["dense", "int4", "paged", "sliding"] * 2)
+    assert sorted(s["setup.decoder"].value_counts().tolist()) == [4, 4]
+    assert set(frames["prompt"]["run"]) == set(s["run"]) and set(frames["prompt"]["entry"]) == {"bench"}
+    assert (frames["prompt"]["itl_ms"].map(len) > 0).all() and (s["metrics.decode_tok_s"] > 0).all()

@@ -57,6 +57,16 @@ def test_poisson_arrivals_have_the_asked_rate():
     assert arrivals(3, math.inf, 0) == [0.0, 0.0, 0.0]
 
 
+def test_latency_percentiles_interpolate_linearly_as_vllm_does():
+    """vLLM's benchmark_serving takes numpy's linear percentiles: TTFTs 1..4 ms in any order
+    (a request without one left out) -> p50 at h 1.5 = 2.5 ms, p99 at h 2.97 = 3.97 ms."""
+    from decodelab.experiments.serve import _pcts
+
+    got = _pcts([0.004, 0.001, None, 0.003, 0.002], "ttft")
+    assert got == {"ttft_p50_ms": pytest.approx(2.5), "ttft_p99_ms": pytest.approx(3.97)}
+    assert _pcts([None], "tpot") == {"tpot_p50_ms": None, "tpot_p99_ms": None}
+
+
 @pytest.mark.parametrize("override,msg", [("rates=[0]", "rates must be > 0"), ("token_budget=0", "token_budget"),
                                           ("policy=lifo", "policy must be one of"), ("trace=nope", "trace must be"),
                                           ("backends=[sliding]", "cannot serve continuous batching"),
