@@ -88,6 +88,11 @@ class StaticAttention:
         # its graph's one output is the logits, which `StaticDecoder` can replay without dynamo)
         self.native = native_attention_serves(cache)  # decodelab::decode_attention for a dense cache on a CPU
         self.kv_len = torch.zeros(B, dtype=torch.int32, device=dev)
+        if not self.traced:  # torch.compile (mode=compile on CUDA) fuses the model around these; the cache
+            # writes stay plain in-place ops (a traced one would copy whole layers). Bound here, not as
+            # decorators: `torch.compiler.disable` imports torch._dynamo, which nothing eager should pay for
+            self._begin_opaque = torch.compiler.disable(self._begin)
+            self._attend_opaque = torch.compiler.disable(self._attend)
         self.blk = torch.zeros(B, tokens, dtype=torch.long, device=dev)
         self.off = torch.zeros(B, tokens, dtype=torch.long, device=dev)
 
@@ -98,10 +103,6 @@ class StaticAttention:
     def begin(self) -> None:
         """Per forward, on the device: lengths and the new tokens' storage slots per (row, head)."""
         self._begin() if self.traced else self._begin_opaque()
-
-    @torch.compiler.disable  # torch.compile (mode=compile on CUDA) fuses the model around these; the
-    def _begin_opaque(self) -> None:  # cache writes stay plain in-place ops (a traced one would copy whole layers)
-        self._begin()
 
     def _begin(self) -> None:
         pos = self.pos  # [B, T]
@@ -119,10 +120,6 @@ class StaticAttention:
             return self._attend_opaque(layer, q, k, v)
         if self.storage.rows_k is not None:
             return self._attend_rows(layer, q, k, v)
-        return self._attend(layer, q, k, v)
-
-    @torch.compiler.disable
-    def _attend_opaque(self, layer, q, k, v):
         return self._attend(layer, q, k, v)
 
     def _attend(self, layer, q, k, v):

@@ -343,7 +343,7 @@ def run(cfg: DictConfig, overrides: list[str], out_dir: str | Path | None = None
         return 2
     header = {"model": lm.name, "reference": cfg.reference, "workload": cfg.workload._target_.rsplit(".", 1)[-1],
               "prompts": rows[0]["prompts"], "forced_tokens": cfg.forced_tokens, "free_tokens": cfg.free_tokens,
-              "conditions": harness.run_conditions(lm.model), "config": OmegaConf.to_container(cfg)}
+              "conditions": harness.run_conditions(lm), "config": OmegaConf.to_container(cfg)}
     print(_header_line(header))
     print(markdown(rows), end="")
     for r in rows:

@@ -2,93 +2,163 @@
 
 Hydra stops at the first config-group option it cannot find (`cache=pagd`) or key it
 does not know (`decoder.temprature=0.5`), before any other check can run. `precheck`
-finds every such override first (with the close matches), composes the config without
-them, runs the entry point's own checks on the rest, and prints all reasons together
-(exit 2, no traceback), all before any weights load.
+parses the command line with Hydra's own override parser (its grammar: sweeps,
+`choice()`, `glob()`, `range()`, `+`/`++`/`~`, `group@package`, quoting and escapes), finds
+every unknown group option and every key the composed config lacks (with the close
+matches), composes the config without them, runs the entry point's own checks on that
+composed config, and prints all reasons together (exit 2, no traceback), all before any
+weights load. A sweep is checked option by option: a key is checked against every
+option of a swept group. Configs of the user's own (`--config-dir DIR`,
+`hydra.searchpath=[file://DIR]`) are composed and checked with the packaged ones.
 """
 
 from __future__ import annotations
 
+import difflib
 import sys
+from pathlib import Path
 from typing import Callable
 
 from omegaconf import OmegaConf
 
-from decodelab.experiments.harness import group_options
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
 
-
 #: Hydra's flags that print and exit (`--cfg job`, `--info defaults`, `--shell-completion
-#: install=bash`: the word after one is not a setting) or that take configs from elsewhere
-#: (`--config-dir`): with one, the command line goes to Hydra as it is, and the entry
-#: point's own check still runs on the composed config before any weights load
+#: install=bash`: the word after one is not a setting) or that choose another primary
+#: config: with one, the command line goes to Hydra as it is (the entry point's own check
+#: still runs on the composed config before any weights load)
 HYDRA_AS_IS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i", "--shell-completion",
-               "-sc", "--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun",
-               "--package", "-p", "--resolve")
+               "-sc", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun", "--package", "-p",
+               "--resolve")
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")  # a folder of the user's configs, searched beside the packaged ones
 
 
 def as_is(argv: list[str]) -> bool:
-    """Whether the command line goes to Hydra unchecked (`HYDRA_AS_IS`, `hydra.searchpath`)."""
-    return any(a.partition("=")[0] in HYDRA_AS_IS or a.startswith("hydra.searchpath") for a in argv)
+    """Whether the command line goes to Hydra unchecked (`HYDRA_AS_IS`)."""
+    return any(a.partition("=")[0] in HYDRA_AS_IS for a in argv)
 
 
-def _sweep_function(value: str) -> bool:
-    """`choice(dense,paged)`, `range(1,4)`, `glob(*)`, ...: a Hydra sweep, expanded by Hydra."""
-    return "(" in value and value.rstrip().endswith(")")
+def _parser():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
 
 
-def _choices(value: str) -> list[str] | None:
-    """The options of a `choice(a,b)` sweep (quotes stripped); None for any other value."""
-    if not (_sweep_function(value) and value.startswith("choice(")):
-        return None
-    return [v.strip(" '\"") for v in value[len("choice("):value.rindex(")")].split(",")]
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides of a command line, the config folders its `--config-dir` flags name);
+    `-m` and other flags are neither."""
+    overrides, dirs, it = [], [], iter(argv)
+    for a in it:
+        flag, eq, value = a.partition("=")
+        if flag in CONFIG_DIR_FLAGS:
+            dirs.append(value if eq else next(it, ""))
+        elif not a.startswith("-"):
+            overrides.append(a)
+    return overrides, dirs
 
 
-def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(reasons for group options that do not exist, the overrides without them); a
-    sweep list (`cache=dense,pagd`) is checked value by value; its first value is kept."""
-    reasons, kept = [], []
-    for arg in argv:
-        key, eq, value = arg.partition("=")
-        group = _group(key) if eq and not arg.startswith("-") else None
-        names = group_options(group) if group else []
-        if _sweep_function(value):  # Hydra expands it; a choice() of group options is checked here
-            bad = [v for v in _choices(value) or [] if group and v and v not in names]
-            reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
-            kept += [] if bad else [arg]
-            continue
-        bad = [v for v in value.split(",") if group and v and v != "null" and v not in names]
-        reasons += [f"{key.lstrip('+~')}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
-        if not bad:
-            kept.append(f"{key}={value.split(',')[0]}" if group else arg)
-    return reasons, kept
+def search_path(dirs: list[str], overrides) -> list[str]:
+    """`hydra.searchpath` entries for composing: `--config-dir` folders, then the command
+    line's own `hydra.searchpath`."""
+    path = [f"file://{Path(d).resolve()}" for d in dirs if d]
+    for o in overrides:
+        if o.key_or_group == "hydra.searchpath" and isinstance(o.value(), list):
+            path += [str(v) for v in o.value()]
+    return path
 
 
-def _group(key: str) -> str | None:
+def _config_dirs(path: list[str]) -> list[Path]:
+    return [CONF_DIR, *(Path(p.removeprefix("file://")) for p in path if p.startswith("file://"))]
+
+
+def group_options(group: str, path: list[str] = ()) -> list[str]:
+    """The options of a config group: its yaml files, packaged and in the search path."""
+    return sorted({f.stem for d in _config_dirs(list(path)) for f in (d / group).glob("*.yaml")})
+
+
+def _group(key: str, path: list[str] = ()) -> str | None:
     """The config group an override key selects (`cache`, `+cache`, `model@draft.model`:
     a group placed at another package), or None."""
     group = key.lstrip("+~").split("@")[0]
-    return group if "." not in group and (CONF_DIR / group).is_dir() else None
+    return group if "." not in group and any((d / group).is_dir() for d in _config_dirs(list(path))) else None
 
 
-def _first_value(arg: str) -> str:
-    """`key=a,b` (a sweep) -> `key=a`; lists, dicts and quoted values stay whole."""
-    key, _, value = arg.partition("=")
-    if "," in value and value[:1] not in "[{'\"":
-        value = value.split(",")[0]
-    return f"{key}={value}"
+def _values(o, names: list[str]) -> list[str]:
+    """The option names an override of a group asks for, in order (a glob: the matching ones)."""
+    from hydra.core.override_parser.types import Glob, ValueType
+
+    if o.is_delete() or o.value() is None:
+        return []
+    if o.value_type == ValueType.GLOB_CHOICE_SWEEP and isinstance(o.value(), Glob):
+        return o.value().filter(names)
+    if o.is_sweep_override():
+        return [v.strip("'\"") for v in o.sweep_string_iterator()]
+    return [str(o.value())]
 
 
-def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
-    """(reasons for `a.b=v` overrides whose key the composed config lacks, the rest)."""
-    import difflib
+def group_choices(overrides, path: list[str] = ()) -> tuple[list[str], dict]:
+    """(reasons for group options that do not exist, {override of a group: its valid
+    options in order}, by the override's index); `null` is an option (no config of the
+    group), a deletion has none."""
+    reasons, chosen = [], {}
+    for i, o in enumerate(overrides):
+        group = _group(o.key_or_group, path)
+        if group is None:
+            continue
+        names = group_options(group, path)
+        values = ["null"] if o.value() is None and not o.is_delete() else _values(o, names)
+        bad = [v for v in values if v not in names and v != "null"]
+        reasons += [f"{o.key_or_group}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
+        if o.value_type is not None and o.value_type.name == "RANGE_SWEEP":
+            reasons.append(f"{o.input_line}: a range() of {group} options; name them: {o.key_or_group}=a,b")
+        chosen[i] = [v for v in values if v not in bad]
+    return reasons, chosen
 
+
+def _as(o, option: str | None = None) -> str:
+    """A group's override with one option (`cache=a,b` -> `cache=a`); a deletion as written."""
+    return o.input_line if o.is_delete() else f"{o.get_key_element()}={option}"
+
+
+def _under(o) -> str:
+    """The key prefix a group's override configures (`cache.`, `draft.model.` for `model@draft.model`)."""
+    return f"{o.package or o.key_or_group.lstrip('+~')}."
+
+
+def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(reasons for group options that do not exist, the command line's overrides without
+    them, each sweep of a group reduced to its first good option); an override Hydra's
+    parser refuses is a reason of its own."""
+    texts, dirs = split_argv(argv)
+    try:
+        overrides = _parser().parse_overrides(texts)
+    except Exception as e:  # hydra.errors.OverrideParseException: the grammar's own message
+        return [str(e).splitlines()[0]], []
+    reasons, chosen = group_choices(overrides, search_path(dirs, overrides))
+    kept = [o.input_line if i not in chosen else _as(o, (chosen[i] or [None])[0]) for i, o in enumerate(overrides)
+            if i not in chosen or chosen[i] or o.is_delete()]
+    return reasons, kept
+
+
+def _first(o) -> str:
+    """An override with a sweep reduced to its first value (`key=a,b` -> `key=a`)."""
+    if not o.is_sweep_override():
+        return o.input_line
+    from hydra.core.override_parser.types import ValueType
+
+    if o.value_type == ValueType.GLOB_CHOICE_SWEEP:
+        return ""  # a glob over a key's values has no first value without its options
+    return f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}"
+
+
+def unknown_keys(cfg, argv: list[str], where: str = "") -> tuple[list[str], list[str]]:
+    """(reasons for `a.b=v` overrides whose key the composed config lacks, the rest);
+    `where` says which swept option lacks it."""
     reasons, kept = [], []
     for arg in argv:
         key = arg.partition("=")[0]
-        if (arg.startswith(("-", "+", "~", "hydra")) or "=" not in arg or _group(key)
-                or has_key(cfg, key)):
+        if (arg.startswith(("-", "+", "~", "hydra")) or "=" not in arg or _group(key) or has_key(cfg, key)):
             kept.append(arg)
             continue
         parent, _, leaf = key.rpartition(".")
@@ -97,7 +167,7 @@ def unknown_keys(cfg, argv: list[str]) -> tuple[list[str], list[str]]:
         close = difflib.get_close_matches(leaf, known, n=1)
         hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
             f"the keys there are {', '.join(map(str, known))}" if known else "no such key"
-        reasons.append(f"{key}: unknown config key; {hint} (to add a new key on purpose: +{arg})")
+        reasons.append(f"{key}: unknown config key{where}; {hint} (to add a new key on purpose: +{arg})")
     return reasons, kept
 
 
@@ -105,13 +175,14 @@ def as_lists(cfg, argv: list[str]) -> list[str]:
     """`key=v` where `key` of the composed config `cfg` holds a list and v is one value:
     `key=[v]`, a one-element list (`rates=2` -> `rates=[2]`); a sweep of single values
     (`-m rates=1,2`) sweeps one-element lists (`rates=[1],[2]`). Lists, dicts, sweep
-    functions (`choice(...)`), null and added or deleted keys stay as written."""
+    functions (`choice(...)`), null, interpolations, escapes, quoted sweeps and added or
+    deleted keys stay as written."""
     from omegaconf import ListConfig
 
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        items = _plain_items(value)
+        items = _plain_items(arg)
         if eq and items and not arg.startswith(("-", "+", "~", "hydra")) and has_key(cfg, key) \
                 and isinstance(OmegaConf.select(cfg, key), ListConfig):
             arg = f"{key}={','.join(f'[{v}]' for v in items)}"
@@ -119,15 +190,24 @@ def as_lists(cfg, argv: list[str]) -> list[str]:
     return out
 
 
-def _plain_items(value: str) -> list[str] | None:
-    """The values of `value` where it is one plain value or a sweep of plain ones (`2`, `1,inf`,
-    one quoted string); None for anything else, which stays as written: lists, dicts, null,
-    sweep functions, interpolations (`${...}`), escapes, quoted sweeps."""
-    if not value or value[:1] in "[{" or value == "null" or "(" in value or "${" in value or "\\" in value:
+def _plain_items(arg: str) -> list[str] | None:
+    """The values of an override as Hydra parses it where it is one plain value or a plain
+    sweep (`2`, `1,inf`, one quoted string); None for anything else: lists, dicts, null,
+    sweep functions, interpolations, escapes, quoted sweeps, text Hydra refuses."""
+    from hydra.core.override_parser.types import ValueType
+
+    value = arg.partition("=")[2]
+    try:
+        (o,) = _parser().parse_overrides([arg])
+    except Exception:
+        return None  # Hydra reports it
+    if "\\" in value or "${" in value:
         return None
-    if value[:1] in "'\"":  # one quoted string, or a sweep of them (left to Hydra)
-        return [value] if value.count(value[0]) == 2 and value.endswith(value[0]) else None
-    return None if "'" in value or '"' in value else value.split(",")
+    if o.value_type == ValueType.ELEMENT:
+        return [value] if isinstance(o.value(), (str, int, float)) else None  # (bool is an int)
+    if o.value_type == ValueType.SIMPLE_CHOICE_SWEEP and "'" not in value and '"' not in value:
+        return [str(v) for v in o.sweep_string_iterator()]
+    return None
 
 
 def has_key(cfg, key: str) -> bool:
@@ -136,38 +216,58 @@ def has_key(cfg, key: str) -> bool:
 
 
 def precheck(argv: list[str], config_name: str, check: Callable) -> list[str]:
-    """Exit 2 with every reason when a group option or a key is unknown (see the module
-    doc); otherwise return the command line for Hydra (`as_lists`)."""
-    from hydra import compose, initialize_config_dir
-
+    """Exit 2 with every reason when a group option or a key is unknown, or when the entry
+    point's `check` refuses the composed config (see the module doc); otherwise return the
+    command line for Hydra (`as_lists`)."""
     if as_is(argv):
         return argv
-    reasons, kept = split_choices(argv)
-    overrides, free = [], set()  # free: groups swept by glob() & co (their keys are not checked here)
-    for a in kept:
-        key, _, value = a.partition("=")
-        if a.startswith(("-", "hydra")):
-            continue
-        if not _sweep_function(value):
-            overrides.append(_first_value(a))
-        elif _group(key) and _choices(value):  # composed with its first option
-            overrides.append(f"{key}={_choices(value)[0]}")
-        elif _group(key):
-            free.add(_group(key))
-    groups = [a for a in overrides if _group(a.partition("=")[0])]
+    texts, dirs = split_argv(argv)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            base = compose(config_name=config_name, overrides=groups)
-            unfree = [a for a in overrides if a.lstrip("+~").split(".")[0] not in free]
-            more, overrides = unknown_keys(base, as_lists(base, unfree))
-            reasons += more
-            if not reasons:
-                return as_lists(base, argv)  # Hydra composes; the entry point's own check lists the rest
-            check(compose(config_name=config_name, overrides=overrides))
+        overrides = _parser().parse_overrides(texts)
+    except Exception as e:  # hydra.errors.OverrideParseException
+        return _refuse([str(e).splitlines()[0]])
+    path = search_path(dirs, overrides)
+    reasons, chosen = group_choices(overrides, path)
+    missing = [p for p in path if p.startswith("file://") and not Path(p.removeprefix("file://")).is_dir()]
+    reasons += [f"config folder {p.removeprefix('file://')} (--config-dir or hydra.searchpath) is not a directory; "
+                "give the folder that holds your group folders (model/, cache/, ...)" for p in missing]
+    path = [p for p in path if p not in missing]
+    extra = [f"hydra.searchpath=[{','.join(path)}]"] if path else []
+    groups = {i: _as(overrides[i], (v or [None])[0]) for i, v in chosen.items() if v or overrides[i].is_delete()}
+    rest = [a for a in (_first(o) for i, o in enumerate(overrides)
+                        if i not in chosen and not o.key_or_group.startswith("hydra.")) if a]
+    try:
+        base = _compose(config_name, [*extra, *groups.values()])
+        swept = [i for i, options in chosen.items() if len(options) > 1]
+        rest = as_lists(base, rest)
+        under = {i: [a for a in rest if a.partition("=")[0].startswith(_under(overrides[i]))] for i in swept}
+        more, kept = unknown_keys(base, [a for a in rest if not any(a in u for u in under.values())])
+        reasons += more
+        for i in swept:  # a key under a swept group: checked against each of its options
+            o, found = overrides[i], set()
+            for option in chosen[i]:
+                alt = _compose(config_name, [*extra, *[g for j, g in groups.items() if j != i], _as(o, option)])
+                bad, _ = unknown_keys(alt, under[i], f" for {_as(o, option)}")
+                reasons += bad
+                found |= {r.partition(":")[0] for r in bad}
+            kept += [a for a in under[i] if a.partition("=")[0] not in found]
+        if not reasons:
+            return as_lists(base, argv)  # Hydra composes; the entry point's own check lists the rest
+        check(_compose(config_name, [*extra, *groups.values(), *kept]))
     except SetupError as e:
         reasons += e.reasons
     except Exception as e:  # the rest of the config does not compose either
         reasons.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
-    if reasons:
-        print(f"error: {SetupError(reasons)}", file=sys.stderr)
-        sys.exit(2)
+    return _refuse(reasons)
+
+
+def _compose(config_name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def _refuse(reasons: list[str]):
+    print(f"error: {SetupError(reasons)}", file=sys.stderr)
+    sys.exit(2)

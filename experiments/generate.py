@@ -134,7 +134,7 @@ def run(cfg: DictConfig):
     result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
                       stop=stop_strings(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
                       t_start=t0, tokenize_s=tokenize_s, compile=cfg.compile)
-    emit(cfg, result, harness.run_conditions(lm.model), streamed=stream is not None)
+    emit(cfg, result, harness.run_conditions(lm), streamed=stream is not None)
     return result
 
 

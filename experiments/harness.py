@@ -37,6 +37,7 @@ from decodelab.cache.base import CacheLayout
 from decodelab.decoding.compiled import static_problems
 from decodelab.decoding.generate import compile_problems, sync
 from decodelab.decoding.text import compiled_capacity
+from decodelab.experiments.cli import group_options
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, added_key_problems, instantiate_unwrapped
 
@@ -64,7 +65,11 @@ def _git(*args: str) -> str:
 def run_conditions(model=None) -> dict:
     """Hardware, threads, versions and git revision, recorded with every figure; with a
     model, its dtype, device, matmul and the kernels that compute its quantized weights
-    (`weight_kernel`: `native-int8`, `_weight_int8pack_mm`, ...; None for unquantized ones)."""
+    (`weight_kernel`: `native-int8`, `_weight_int8pack_mm`, ...; None for unquantized ones);
+    given the LoadedModel, also where its weights came from (`model_source`, `model_path`,
+    and `dequantized_from`: the GGUF's quantized types its fp32 weights were decoded from)."""
+    source = dict(getattr(model, "source", None) or {})
+    model = getattr(model, "model", model)  # a LoadedModel's Transformer
     versions = {}
     for pkg in ("torch", "transformers", "optimum-quanto", "triton", "llama-cpp-python"):
         try:
@@ -83,6 +88,11 @@ def run_conditions(model=None) -> dict:
         cond.update(dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
                     matmul=getattr(model, "matmul", None), weights=wq.get("weights", "none"),
                     weight_kernel=",".join(wq.get("kernels") or []) or None)
+    if source:
+        cond["model_source"] = source["source"]
+        cond |= {"model_path": source["path"]} if "path" in source else {}
+        if "dequantized_from" in source:
+            cond["dequantized_from"] = ",".join(source["dequantized_from"]) or None
     return cond
 
 
@@ -145,11 +155,6 @@ def gather(*checks) -> list:
     results = [collect(reasons, fn) for fn in checks]
     raise_if(reasons)
     return results
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group: the yaml files in conf/<group>/."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def _probe_layout() -> CacheLayout:
@@ -326,7 +331,9 @@ def option(group: str, name: str, where: str = "", **overrides):
 
 def cache_factory(name: str, **options):
     """The cache factory of conf/cache/<name>.yaml, with option overrides."""
-    return option("cache", name, **options)
+    from decodelab.cache.factory import backend
+
+    return backend(name, **options)
 
 
 # -- results ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import xxhash  # declared in pyproject (the converted-weights checksums)
 
 from decodelab.models.config import ModelConfig, from_hf_config
 from decodelab.models.errors import SetupError, raise_if
+from decodelab.models.paths import cache_root  # re-exported: callers import it from here
 from decodelab.models.transformer import Transformer
 from decodelab.models.weights import from_hf_state
 
@@ -39,6 +40,9 @@ class LoadedModel:
     hf_dir: Path | None = None  # transformers-format directory holding the same weights
     tokenizer_dir: Path | None = None
     tokenizer_from: str | None = None  # a model name whose tokenizer this one borrows
+    #: where the weights came from: {"source": "hf" | "gguf" | "random", "path": ...} and, for
+    #: a GGUF, "dequantized_from": its quantized tensor types (empty for a float file)
+    source: dict = field(default_factory=dict)
     _tokenizer: object = field(default=None, repr=False)
 
     @property
@@ -118,7 +122,7 @@ def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float3
     model = _ready(model, weights, matmul, **q)
     if tokenizer:
         model_spec(tokenizer)  # an unknown name fails now, not at first use
-    return LoadedModel(model, name, tokenizer_from=tokenizer)
+    return LoadedModel(model, name, tokenizer_from=tokenizer, source={"source": "random", "seed": seed})
 
 
 def _with_rope_defaults(d: dict) -> dict:
@@ -169,8 +173,8 @@ def _weight_problems(cfg: ModelConfig, weights: str, device, weight_group_size=N
 def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weight_group_size=None,
            quantize_head: bool = False, allow_slow: bool = False, weight_kernel: str = "auto",
            weight_prefill_dtype: str = "auto") -> Transformer:
-    """Eval mode, the matmul impl, weight quantization, and the CPU head layout built
-    now rather than in the first request."""
+    """Eval mode, the matmul impl, weight quantization, and the CPU head layout and the
+    packed weights built now rather than in the first request."""
     model.set_matmul(matmul)
     if weights != "none":
         from decodelab.models.quantize import quantize_weights
@@ -180,22 +184,26 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weig
                                  prefill_dtype=weight_prefill_dtype)
     if model.lm_head is None and model.device.type == "cpu":
         model.tied_head_t()
-    return model.eval()
+    return model.pack_weights().eval()
 
 
 # -- transformers directories -------------------------------------------------------
-def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "auto",
+def load_hf_dir(path: str | Path, dtype: str = "auto", device: str | None = "auto",
                 name: str | None = None, weights: str = "none", matmul: str = "auto",
                 weight_group_size: int | None = None, quantize_head: bool = False,
                 allow_slow: bool = False, weight_kernel: str = "auto",
                 weight_prefill_dtype: str = "auto") -> LoadedModel:
     """A transformers model directory: config.json + *.safetensors. A folder converted
     from a GGUF (it holds a `source.json` record) is checked against what its conversion
-    wrote, and rebuilt from its GGUF when it does not match (`_converted_state`)."""
+    wrote, and rebuilt from its GGUF when it does not match (`_converted_state`).
+    `dtype` auto: the folder's own (config.json's `dtype`), float32 where it names none.
+    Its tokenizer, where the folder has one, loads now (not in the first request's TTFT)."""
     from transformers import AutoConfig
 
     path = Path(path)
     converted = (path / RECORD).is_file()
+    if dtype == "auto":
+        dtype = folder_dtype(path)
     # the weight quantization options
     q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
     raise_if(([] if converted else _plain_dir_problems(path))
@@ -207,7 +215,29 @@ def load_hf_dir(path: str | Path, dtype: str = "float32", device: str | None = "
         model = Transformer(cfg)
     model.load_state_dict(from_hf_state(cfg, state), strict=True, assign=True)
     model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)), weights, matmul, **q)
-    return LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path)
+    lm = LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path,
+                     source={"source": "hf", "path": str(path.resolve())})
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tok = lm.tokenizer  # loaded now, and its chat template compiled (a first render costs ~5 ms)
+            tok.encode("hi", chat=tok.has_chat_template)
+        except Exception:  # a broken tokenizer fails where it is used, as before: token ids need none
+            lm._tokenizer = None
+    return lm
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def folder_dtype(path: Path) -> str:
+    """The dtype a transformers folder's config.json names (`dtype`, or the older
+    `torch_dtype`), as one of DTYPES; float32 where it names none."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"  # the loader reports a missing or unreadable config.json itself
+    named = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return str(named).removeprefix("torch.") if str(named).removeprefix("torch.") in DTYPES else "float32"
 
 
 def _plain_dir_problems(path: Path) -> list[str]:
@@ -246,10 +276,6 @@ def _read_safetensors(f: Path, fix: str = "") -> dict[str, torch.Tensor]:
 # One written before the record existed is rebuilt once too: there is nothing to check
 # it against, and recording its bytes as they are now would bless any rot already there.
 RECORD = "source.json"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DECODELAB_CACHE", Path.home() / ".cache" / "decodelab"))
 
 
 def _source_key(path: Path) -> str:
@@ -475,7 +501,15 @@ def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "au
     # the weight quantization options
     q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
     raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the conversion
-    return load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul, **q)
+    lm = load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul, **q)
+    from decodelab.models.gguf_header import quantized_types
+
+    lm.source = {"source": "gguf", "path": str(Path(path).resolve())}
+    try:
+        lm.source["dequantized_from"] = quantized_types(path)
+    except (OSError, ValueError):  # a header this reader does not know: the conditions leave it out
+        pass
+    return lm
 
 
 def package_file(package: str, file: str | None = None) -> Path:

@@ -21,18 +21,21 @@ def test_imports_from_a_directory_with_its_own_models_and_cache_folders(tmp_path
     assert p.stdout.split() == ["True", "True"]  # the user's cache package, and ours with its configs
 
 
-@pytest.mark.slow  # 12 s: builds and installs a wheel
+# 20 s, in the default run: CI proves the wheel (builds it, installs it into a fresh venv, runs four console scripts)
 def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
-    """`pip wheel .` then `pip install --target` (no editable link to the checkout): the
-    configs and the packaged workload come with it; generate and load(name) work from a
-    scratch directory, and CONF_DIR is the installed one."""
+    """`pip wheel .`, then `pip install` of that wheel (no editable link to the checkout)
+    into a fresh venv that reuses the installed dependencies (a .pth line to this venv's
+    site-packages, after its own): the configs and the packaged workload come with it, and
+    from a scratch directory its console scripts run: generate, `--cfg job`, a two-cell
+    bench sweep and a report of it."""
     import os
+    import shutil
+    import sysconfig
+    import venv
     import zipfile
     from pathlib import Path
 
     pytest.importorskip("setuptools")  # the build backend (pyproject.toml), built without isolation: offline
-    import shutil
-
     repo = Path(__file__).resolve().parents[1]
     root = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside the sources
     root.mkdir()
@@ -40,29 +43,46 @@ def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
         (shutil.copytree if (repo / item).is_dir() else shutil.copy)(
             repo / item, root / item, **({"ignore": shutil.ignore_patterns("__pycache__", "*.egg-info")}
                                          if (repo / item).is_dir() else {}))
-    wheels, site, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
+    wheels, env_dir, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "work"
     work.mkdir()
-    pip = [sys.executable, "-m", "pip", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(root), "-w", str(wheels)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "-q", "wheel", "--no-deps", "--no-build-isolation", str(root),
+                    "-w", str(wheels)], check=True, capture_output=True, timeout=300)
     (wheel,) = wheels.glob("decodelab-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     confs = {n for n in names if n.startswith("decodelab/conf/") and n.endswith(".yaml")}
     assert len(confs) == len(list((repo / "conf").rglob("*.yaml")))
     assert "decodelab/experiments/results/agree-prompts.jsonl" in names
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
+
+    venv.create(env_dir, with_pip=False)
+    py = env_dir / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # torch, hydra, ... (and pip)
+    subprocess.run([str(py), "-m", "pip", "-q", "install", "--no-deps", str(wheel)], check=True,
                    capture_output=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    code = ("import decodelab.models.loading as l; from decodelab.experiments.workloads import PACKAGED; "
-            "print(l.CONF_DIR); print(PACKAGED); l.load('tiny-llama', device='cpu')")
-    p = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    conf_dir, packaged = p.stdout.split()
-    assert conf_dir == str(site / "decodelab" / "conf") and packaged.startswith(str(site))
-    g = subprocess.run([sys.executable, "-m", "decodelab.experiments.generate", "model=tiny-llama", "prompt=hi",
-                        "max_new_tokens=3", "model.device=cpu"], cwd=work, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert g.returncode == 0 and g.stdout, g.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+    def run(*cmd: str) -> subprocess.CompletedProcess:
+        p = subprocess.run([str(env_dir / "bin" / cmd[0]), *cmd[1:]], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, (cmd, p.stderr[-2000:])
+        return p
+
+    where = run("python", "-c", "import decodelab.models.loading as l; from decodelab.experiments.workloads "
+                                "import PACKAGED; print(l.CONF_DIR, PACKAGED)").stdout.split()
+    assert where[0] == str(site / "decodelab" / "conf") and where[1].startswith(str(site))  # the installed copy
+    gen = run("decodelab-generate", "model=tiny-llama", "prompt=hi", "max_new_tokens=4", "model.device=cpu")
+    assert gen.stdout and "TTFT" in gen.stderr  # the text on stdout (a random model's), the figures on stderr
+    job = run("decodelab-generate", "--cfg", "job")
+    assert "max_new_tokens:" in job.stdout and "model:" in job.stdout
+    sweep = work / "sweep"
+    run("decodelab-bench", "-m", "model=tiny-llama", "model.device=cpu", "cache=dense,paged", "workload=synthetic",
+        "workload.lengths=[16]", "workload.per_length=1", "max_new_tokens=3", "progress=false", "warmup=false",
+        f"hydra.sweep.dir={sweep}")
+    assert len(list(sweep.rglob("results.jsonl"))) == 2
+    run("decodelab-report", str(sweep))
+    md = (sweep / "report.md").read_text()
+    assert "| dense/greedy |" in md and "| paged/greedy |" in md
 
 
 def test_decodelab_cache_exports_every_backend():

@@ -288,13 +288,47 @@ def test_serve_names_backend_options_of_a_backend_that_does_not_exist():
 
 
 @pytest.mark.parametrize("argv", [["--cfg", "job"], ["-c", "job"], ["--info", "defaults"], ["--help"],
-                                  ["--shell-completion", "install=bash"], ["--config-dir=/somewhere", "model=mine"],
-                                  ["hydra.searchpath=[file:///somewhere]", "model=mine"]])
+                                  ["--shell-completion", "install=bash"]])
 def test_hydras_own_flags_reach_hydra_as_written(argv):
     from decodelab.experiments.bench import check
     from decodelab.experiments.cli import precheck
 
     assert precheck(argv, "config", check) == argv
+
+
+@pytest.mark.parametrize("how", ["--config-dir={d}", "-cd {d}", "hydra.searchpath=[file://{d}]"])
+def test_a_users_own_config_folder_is_composed_and_checked(tmp_path, how, capsys):
+    """`--config-dir DIR` and `hydra.searchpath`: the user's `model/mine.yaml` is an option
+    like the packaged ones; a key it lacks and a folder that does not exist are named."""
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "mine.yaml").write_text((CONF_DIR / "model" / "tiny-llama.yaml").read_text())
+    argv = [*how.format(d=tmp_path).split(), "model=mine", "max_new_tokens=3"]
+    assert precheck(argv, "config", check) == argv and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        precheck([*how.format(d=tmp_path).split(), "model=mine", "model.dtyp=float32"], "config", check)
+    assert "model.dtyp: unknown config key; did you mean model.dtype?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        precheck([*how.format(d=tmp_path / "nope").split(), "model=mine"], "config", check)
+    err = capsys.readouterr().err
+    assert f"config folder {tmp_path / 'nope'} (--config-dir or hydra.searchpath) is not a directory" in err
+    assert "model=mine: no such model" in err
+
+
+def test_a_key_every_option_of_a_swept_group_lacks_is_named_with_the_option(capsys):
+    from decodelab.experiments.bench import check
+    from decodelab.experiments.cli import precheck
+
+    with pytest.raises(SystemExit):
+        precheck(["-m", "cache=paged,dense", "cache.block_size=32"], "config", check)
+    assert "cache.block_size: unknown config key for cache=dense;" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        precheck(["-m", "cache=choice(dense,pagd)"], "config", check)
+    assert "cache=pagd: no such cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        precheck(["cache=choice(dense"], "config", check)  # Hydra's parser refuses it: its own message
+    assert "no viable alternative at input" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sweep", ["cache=choice(dense,paged)", "cache=glob(*)", "decoder.temperature=range(0,1,0.5)"])
