@@ -9,6 +9,7 @@
     decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights; transformers, llama.cpp
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
     decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, measured and predicted
+    decodelab-micro part=perplexity   # held-out perplexity, every weights x cache setup; transformers beside
 """
 
 from __future__ import annotations
@@ -500,9 +501,45 @@ def spec_gamma(cfg, lm, hf) -> list[dict]:
     return rows
 
 
+def perplexity(cfg, lm, hf) -> list[dict]:
+    """Perplexity of the held-out ShareGPT sample (experiments/perplexity.py) for our fp32
+    model and each of `ppl_weights` x each of `ppl_caches` (int4 at nbits / group_size /
+    residual), beside transformers' fp32 model (`transformers-fp32`, the reference: each
+    row's `vs_transformers_fp32` is its relative difference), transformers + quanto
+    weights and transformers' QuantizedCache at the same int4 settings."""
+    from decodelab.experiments import perplexity as ppl
+    from decodelab.models.quantize import quantize_weights
+
+    ids = ppl.sample_ids(lm, cfg.ppl_tokens)
+    caches = {c: harness.cache_factory(c, **({"nbits": cfg.nbits, "group_size": cfg.group_size,
+                                              "residual": cfg.residual} if c == "int4" else {}))
+              for c in cfg.ppl_caches}
+    systems = {("transformers-fp32", "fp32", "transformers"): ppl.transformers_one_pass(hf)} if hf is not None else {}
+    for w in ["fp32", *cfg.ppl_weights]:
+        m = lm.model if w == "fp32" else quantize_weights(lm.model, w, group_size=cfg.weight_group_size)
+        systems |= {(f"ours-{w}-{c}", w, c): ppl.ours(m, f, cfg.ppl_chunk) for c, f in caches.items()}
+    if hf is not None:
+        systems |= {(f"transformers-quanto-{w}", w, "transformers"): ppl.transformers_one_pass(hf_quanto(hf, w))
+                    for w in cfg.ppl_weights}
+        if "int4" in caches:
+            systems[("transformers-QuantizedCache", "fp32", f"QuantizedCache int{cfg.nbits}")] = \
+                ppl.transformers_cached(hf, lambda: hf_int4(hf, cfg), cfg.ppl_chunk)
+    rows = []
+    for (name, w, c), fn in systems.items():
+        t = time.perf_counter()
+        r = ppl.perplexity(fn, ids, cfg.context, cfg.stride)
+        rows.append({"system": name, "weights": w, "cache": c, **r, "seconds": time.perf_counter() - t})
+        print(f"{name}: perplexity {r['perplexity']:.4f} over {r['tokens']} tokens", file=sys.stderr)
+    ref = next((r["perplexity"] for r in rows if r["system"] == "transformers-fp32"), None)
+    for r in rows:
+        r["vs_transformers_fp32"] = None if ref is None else r["perplexity"] / ref - 1
+        r |= {"context": cfg.context, "stride": cfg.stride, "chunk": cfg.ppl_chunk, "sample": "sharegpt-replies"}
+    return rows
+
+
 PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory,
          "mixed_step": mixed_step, "weights": weights,
-         "weights_quality": weights_quality, "spec_gamma": spec_gamma}
+         "weights_quality": weights_quality, "spec_gamma": spec_gamma, "perplexity": perplexity}
 
 
 def check(cfg: DictConfig) -> None:
@@ -550,6 +587,18 @@ def check(cfg: DictConfig) -> None:
             p += harness.int_problems(cfg, {"ttft_rounds": 1}) + llama_cpp_problems(cfg)
         if cfg.part == "weights_quality" and not cfg.weight_types:
             p.append("weight_types must name at least one of int8, int4, int8+head, int4+head")
+    if cfg.part == "perplexity":
+        p += harness.int_problems(cfg, {"ppl_tokens": 2, "context": 2, "stride": 1, "ppl_chunk": 1})
+        if isinstance(cfg.stride, int) and isinstance(cfg.context, int) and cfg.stride >= cfg.context:
+            p.append(f"stride must be < context (a window's first new target needs the token before it in the "
+                     f"window), got stride={cfg.stride} context={cfg.context}")
+        known = harness.group_options("cache")
+        p += [f"ppl_caches: no cache {c!r}; the options are {', '.join(known)}" for c in cfg.ppl_caches
+              if c not in known]
+        p += [f"ppl_weights: {w!r} is not one of ['int8', 'int4'] (fp32 always runs)" for w in cfg.ppl_weights
+              if w not in ("int8", "int4")]
+        if not list(cfg.ppl_caches):
+            p.append("ppl_caches must name at least one cache backend (dense, ...)")
     if cfg.part == "spec_gamma":
         known = harness.group_options("draft")
         p += [f"drafts: no draft {d!r}; the options are {', '.join(known)}" for d in cfg.drafts if d not in known]
@@ -576,8 +625,8 @@ def check(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, out) -> list[dict]:
     check(cfg)
     lm = harness.load_model(cfg)
-    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (cfg.part in ("weights", "weights_quality")
-                                                                     and cfg.compare_transformers) else None
+    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (
+        cfg.part in ("weights", "weights_quality", "perplexity") and cfg.compare_transformers) else None
     rows = PARTS[cfg.part](cfg, lm, hf)
     cond = harness.run_conditions(lm)
     rid = harness.run_id(cfg.part)

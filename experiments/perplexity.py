@@ -1,0 +1,123 @@
+"""Perplexity of held-out text, exp(mean NLL) over one fixed token sample, for every
+weights x cache setup of ours beside transformers' own model on the same tokens (the
+reference ours must match), transformers + quanto int8 / int4 weights and transformers'
+QuantizedCache: `decodelab-micro part=perplexity` (experiments/micro.py).
+
+The sample (`sample_ids`): ShareGPT V3 assistant replies, the first reply of each
+recovered record in the file's order (no shuffle: the same text on every machine), of at
+least `MIN_REPLY_CHARS` characters, each tokenized as plain text (no chat template), one
+EOS id between them, cut at `tokens` tokens.
+
+Windows (`windows`, transformers' strided recipe): `context` tokens, each ending `stride`
+after the last (stride < context); a window scores only the targets no earlier window
+scored, so every token but the first is scored exactly once, after at least
+`context - stride` tokens of context (fewer in the first window). Ours feeds each window through a fresh cache of the setup
+in chunks of `chunk` tokens, so that from the second chunk on attention reads the K/V the
+cache stored (an int4 cache's quantized groups, beyond its full-precision residual);
+transformers' fp32 and quanto models take a window in one forward (a cache cannot change
+a one-pass result), its QuantizedCache in the same chunks as ours.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import torch
+
+from decodelab.decoding.text import make_cache
+
+MIN_REPLY_CHARS = 200
+#: (window's first position, its logits [t, V] for positions first..first+t-1) per chunk
+ChunkLogits = Iterator[tuple[int, torch.Tensor]]
+
+
+def sample_ids(lm, tokens: int) -> list[int]:
+    """The held-out sample: `tokens` ids of ShareGPT replies (the module doc)."""
+    from decodelab.experiments.workloads import load_jsonl, sharegpt_jsonl
+    from decodelab.models.errors import raise_if
+
+    tok, eos = lm.tokenizer, lm.tokenizer.eos_ids
+    sep = [min(eos)] if eos else []
+    ids: list[int] = []
+    for rec in load_jsonl(sharegpt_jsonl()[0]):
+        if len(rec.reference or "") >= MIN_REPLY_CHARS:
+            ids += tok.encode(rec.reference) + sep
+            if len(ids) >= tokens:
+                return ids[:tokens]
+    raise_if([f"the ShareGPT replies hold only {len(ids)} tokens, fewer than ppl_tokens={tokens}"])
+
+
+def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored target) per window over n tokens: ids[begin:end] is fed,
+    targets first..end-1 are scored (target t by the logits at position t - 1). The first
+    window is ids[:context]; each next one ends `stride` tokens later and starts `context`
+    before its end, so `stride < context` gives every target its previous token."""
+    end = min(context, n)
+    out = [(0, end, 1)]  # token 0 has no context: never a target
+    while end < n:
+        prev_end, end = end, min(end + stride, n)
+        out.append((max(0, end - context), end, prev_end))
+    return out
+
+
+def window_nll(chunks: ChunkLogits, ids: list[int], begin: int, end: int, first: int) -> tuple[float, int]:
+    """(sum of -log p(target), count) over the window's scored targets first..end-1."""
+    total, count = 0.0, 0
+    for start, logits in chunks:  # logits [t, V] at positions start .. start + t - 1
+        pos = torch.arange(start, start + logits.shape[0])
+        keep = (pos + 1 >= first) & (pos + 1 < end)
+        if keep.any():
+            targets = torch.tensor([ids[p + 1] for p in pos[keep].tolist()])
+            lp = torch.log_softmax(logits[keep].double(), dim=-1)  # [k, V]
+            total -= float(lp.gather(1, targets[:, None]).sum())
+            count += int(keep.sum())
+    return total, count
+
+
+def perplexity(chunk_logits: Callable[[list[int], int], ChunkLogits], ids: list[int], context: int,
+               stride: int) -> dict:
+    """{perplexity, nll_mean, tokens (scored), windows} of a system: `chunk_logits(window
+    ids, begin)` yields (position, logits) chunks over one window."""
+    total, count, wins = 0.0, 0, windows(len(ids), context, stride)
+    for begin, end, first in wins:
+        s, c = window_nll(chunk_logits(ids[begin:end], begin), ids, begin, end, first)
+        total, count = total + s, count + c
+    return {"perplexity": math.exp(total / count), "nll_mean": total / count, "tokens": count, "windows": len(wins)}
+
+
+def ours(model, factory, chunk: int) -> Callable[[list[int], int], ChunkLogits]:
+    """Our model through a fresh cache from `factory` per window, fed `chunk` tokens per forward."""
+    def run(window: list[int], begin: int) -> ChunkLogits:
+        cache = make_cache(model, 1, len(window), factory)
+        for a in range(0, len(window), chunk):
+            ids = torch.tensor([window[a:a + chunk]], device=model.device)  # [1, t]
+            pos = torch.arange(a, a + ids.shape[1], device=model.device)[None]  # [1, t]
+            with torch.no_grad():
+                yield begin + a, model(ids, pos, cache)[0].float()  # [t, V]
+    return run
+
+
+def transformers_one_pass(hf) -> Callable[[list[int], int], ChunkLogits]:
+    """transformers' model (fp32, or with quanto's weights) over a window in one forward."""
+    def run(window: list[int], begin: int) -> ChunkLogits:
+        with torch.no_grad():
+            yield begin, hf(torch.tensor([window], device=hf.device)).logits[0].float()
+    return run
+
+
+def transformers_cached(hf, make_cache_: Callable, chunk: int) -> Callable[[list[int], int], ChunkLogits]:
+    """transformers' model through its own cache (`make_cache_()`: a QuantizedCache) in chunks."""
+    from decodelab.models.reference import hf_cache_kwarg
+
+    kw = hf_cache_kwarg(hf)
+
+    def run(window: list[int], begin: int) -> ChunkLogits:
+        cache = make_cache_()
+        for a in range(0, len(window), chunk):
+            ids = torch.tensor([window[a:a + chunk]], device=hf.device)
+            with torch.no_grad():
+                o = hf(ids, use_cache=True, **{kw: cache})
+            cache = getattr(o, kw)
+            yield begin + a, o.logits[0].float()
+    return run

@@ -1,0 +1,71 @@
+"""Perplexity: the windows score every token once, the NLL is the hand-computed one, ours
+matches transformers' own model on the same tokens, and an int4 KV cache read back in
+chunks moves it (while a dense one does not)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from decodelab.experiments import perplexity as ppl
+from decodelab.experiments.micro import check, run
+from decodelab.models.errors import SetupError
+from decodelab.models.loading import CONF_DIR
+
+
+@pytest.mark.parametrize("n, context, stride", [(10, 4, 2), (10, 4, 3), (9, 5, 3), (3, 8, 4), (16, 16, 1), (17, 16, 15)])
+def test_windows_score_every_token_but_the_first_exactly_once(n, context, stride):
+    scored = [t for _, end, first in ppl.windows(n, context, stride) for t in range(first, end)]
+    assert sorted(scored) == list(range(1, n))
+    for begin, end, first in ppl.windows(n, context, stride):
+        assert end - begin <= context and begin < first <= end
+        assert first == 1 or first - begin >= context - stride  # every later target has that much context
+
+
+def test_window_nll_is_the_hand_computed_one():
+    """Vocabulary 2, logits [0, log 3] at every position: p(1) = 3/4, p(0) = 1/4."""
+    ids = [0, 1, 1, 0, 1]
+    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(5, 1)
+    chunks = [(0, logits[:2]), (2, logits[2:])]  # two chunks, as a cache is fed
+    total, count = ppl.window_nll(iter(chunks), ids, 0, 5, 2)  # targets 2, 3, 4: 1, 0, 1
+    assert count == 3 and total == pytest.approx(-(2 * math.log(0.75) + math.log(0.25)))
+
+
+def micro(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="micro", overrides=["model=tiny-llama", "model.device=cpu", "threads=1",
+                                                      "part=perplexity", *overrides])
+    return cfg, lambda: run(cfg, tmp_path)
+
+
+def test_ours_matches_transformers_and_int4_kv_moves_it(tmp_path):
+    # 700 tokens in windows of 320 every 160, fed 32 at a time: past the int4 residual (32) by groups of 32
+    _, go = micro(tmp_path, "ppl_tokens=700", "context=320", "stride=160", "ppl_chunk=32", "ppl_weights=[int8]",
+                  "ppl_caches=[dense,paged,int4]", "group_size=32", "residual=32")
+    rows = {r["system"]: r for r in go()}
+    ref = rows["transformers-fp32"]
+    assert ref["tokens"] == 699 and ref["windows"] == 4
+    for name in ("ours-fp32-dense", "ours-fp32-paged"):
+        assert abs(rows[name]["vs_transformers_fp32"]) < 1e-5, rows[name]
+    assert abs(rows["ours-fp32-int4"]["vs_transformers_fp32"]) > 1e-4  # its K/V quantized, read back
+    assert abs(rows["transformers-QuantizedCache"]["vs_transformers_fp32"]) > 1e-6  # (a random model: near uniform)
+    assert abs(rows["ours-int8-dense"]["vs_transformers_fp32"]) > 1e-6  # int8 weights move it too
+    assert {"ours-int8-int4", "transformers-quanto-int8"} <= set(rows)
+    assert all(1 < r["perplexity"] < 1e5 and r["tokens"] == 699 for r in rows.values())  # random: ~ the vocabulary (49152)
+    summaries = [line for line in (tmp_path / "results.jsonl").read_text().splitlines() if '"perplexity"' in line]
+    assert len(summaries) == len(rows)  # one summary record per system: system and perplexity in metrics
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["stride=512", "context=512"], "stride must be < context"),
+    (["ppl_caches=[dense,pagd]"], "ppl_caches: no cache 'pagd'"),
+    (["ppl_weights=[int3]"], "ppl_weights: 'int3' is not one of"),
+    (["ppl_tokens=1"], "ppl_tokens"),
+])
+def test_bad_perplexity_options_are_named_before_the_model_loads(tmp_path, overrides, message):
+    cfg, _ = micro(tmp_path, *overrides)
+    with pytest.raises(SetupError, match=message):
+        check(cfg)
