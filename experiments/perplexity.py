@@ -11,9 +11,9 @@ EOS id between them, cut at `tokens` tokens.
 Windows (`windows`, transformers' strided recipe): `context` tokens, each ending `stride`
 after the last (stride < context); a window scores only the targets no earlier window
 scored, so every token but the first is scored exactly once, after at least
-`context - stride` tokens of context (fewer in the first window). Ours feeds each window through a fresh cache of the setup
-in chunks of `chunk` tokens, so that from the second chunk on attention reads the K/V the
-cache stored (an int4 cache's quantized groups, beyond its full-precision residual);
+`context - stride` tokens of context (fewer in the first window). Ours feeds each window
+through a fresh cache of the setup in chunks of `chunk` tokens, so that from the second
+chunk on attention reads the K/V the cache stored (an int4 cache's quantized groups, beyond its full-precision residual);
 transformers' fp32 and quanto models take a window in one forward (a cache cannot change
 a one-pass result), its QuantizedCache in the same chunks as ours.
 """

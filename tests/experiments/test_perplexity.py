@@ -16,7 +16,8 @@ from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
 
 
-@pytest.mark.parametrize("n, context, stride", [(10, 4, 2), (10, 4, 3), (9, 5, 3), (3, 8, 4), (16, 16, 1), (17, 16, 15)])
+@pytest.mark.parametrize("n, context, stride", [(10, 4, 2), (10, 4, 3), (9, 5, 3), (3, 8, 4), (16, 16, 1),
+                                                (17, 16, 15)])
 def test_windows_score_every_token_but_the_first_exactly_once(n, context, stride):
     scored = [t for _, end, first in ppl.windows(n, context, stride) for t in range(first, end)]
     assert sorted(scored) == list(range(1, n))
@@ -54,7 +55,7 @@ def test_ours_matches_transformers_and_int4_kv_moves_it(tmp_path):
     assert abs(rows["transformers-QuantizedCache"]["vs_transformers_fp32"]) > 1e-6  # (a random model: near uniform)
     assert abs(rows["ours-int8-dense"]["vs_transformers_fp32"]) > 1e-6  # int8 weights move it too
     assert {"ours-int8-int4", "transformers-quanto-int8"} <= set(rows)
-    assert all(1 < r["perplexity"] < 1e5 and r["tokens"] == 699 for r in rows.values())  # random: ~ the vocabulary (49152)
+    assert all(1 < r["perplexity"] < 1e5 and r["tokens"] == 699 for r in rows.values())  # random: ~ the vocabulary
     summaries = [line for line in (tmp_path / "results.jsonl").read_text().splitlines() if '"perplexity"' in line]
     assert len(summaries) == len(rows)  # one summary record per system: system and perplexity in metrics
 
