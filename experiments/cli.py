@@ -31,6 +31,9 @@ from decodelab.models.loading import CONF_DIR
 HYDRA_AS_IS = ("--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--info", "-i", "--shell-completion",
                "-sc", "--config-path", "-cp", "--config-name", "-cn", "--experimental-rerun", "--package", "-p",
                "--resolve")
+#: Hydra's flags whose value may come as the next word (`--cfg job`, `-cd DIR`)
+VALUE_FLAGS = ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--config-dir", "-cd", "--config-path",
+               "-cp", "--config-name", "-cn", "--experimental-rerun", "--package", "-p")
 CONFIG_DIR_FLAGS = ("--config-dir", "-cd")  # a folder of the user's configs, searched beside the packaged ones
 
 

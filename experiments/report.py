@@ -477,8 +477,11 @@ main = harness.hydra_app("report", run)
 
 def cli() -> None:
     """Console entry: `decodelab-report DIR` is `decodelab-report dir=DIR`."""
+    from decodelab.experiments.cli import VALUE_FLAGS
+
     plain = lambda a: a.startswith("-") or ("=" in a and not Path(a).exists())  # noqa: E731  (sweep dirs hold = and ,)
-    sys.argv[1:] = [a if plain(a) else f"dir='{a}'" for a in sys.argv[1:]]
+    argv = sys.argv[1:]  # a word after a flag that takes one (`--cfg job`) is the flag's, not a folder
+    sys.argv[1:] = [a if plain(a) or (i and argv[i - 1] in VALUE_FLAGS) else f"dir='{a}'" for i, a in enumerate(argv)]
     main()
 
 
