@@ -81,6 +81,7 @@ def test_sweep_every_cache_and_decoder_into_a_report_then_rerun_skips(tmp_path, 
     assert len(load_runs(sweep)) == 8
 
 
+@pytest.mark.slow  # 12 s (CI runs the slow set after the default one)
 def test_kill_9_mid_sweep_keeps_finished_runs_and_the_rerun_completes_the_rest(tmp_path, prompts):
     sweep = tmp_path / "sweep"
     args = ["-m", *TINY, "workload=jsonl", f"workload.path={prompts}", "max_new_tokens=40",
@@ -220,7 +221,7 @@ def test_config_hash_ignores_bookkeeping_only():
     assert config_hash(a) != config_hash(config(*TINY, "max_new_tokens=7"))
 
 
-@pytest.mark.parametrize("launcher", ["local", "parallel"])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("parallel", marks=pytest.mark.slow)])  # 7 s each
 def test_sweep_through_the_cluster_and_parallel_launchers(tmp_path, prompts, launcher):
     """`local`: submitit's local executor, i.e. the Slurm launcher's code path (pickled
     jobs, job folders) on this machine; `parallel`: joblib processes."""

@@ -43,6 +43,7 @@ def test_stop_strings_take_escapes_a_plain_string_and_refuse_an_empty_one():
         stop_strings([""])
 
 
+@pytest.mark.slow  # 9 s: two generate processes of 120 tokens (stop strings are also checked in process)
 def test_stop_newlines_end_the_reply_end_to_end():
     """README's `stop='["\\n\\n"]'` as a shell passes it: the reply ends before a blank line."""
     free = entry("generate", *TINY, "prompt=Hello", "max_new_tokens=120", "json=true")
