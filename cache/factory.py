@@ -19,9 +19,9 @@ CacheFactory = Callable[..., KVCache]  # (layout, batch_size, capacity) -> cache
 
 def backend_names() -> list[str]:
     """The cache backends: one per conf/cache/*.yaml, sorted (dense, int4, paged, sliding)."""
-    from decodelab.models.loading import CONF_DIR
+    from decodelab.models.loading import config_options
 
-    return sorted(p.stem for p in (CONF_DIR / "cache").glob("*.yaml"))
+    return config_options("cache")
 
 
 def backend(name: str, **options) -> CacheFactory:
@@ -30,12 +30,9 @@ def backend(name: str, **options) -> CacheFactory:
     `options` over them), for `make_cache(model, batch_size, capacity, backend(...))` or
     the serving engine. An unknown name, or an option the backend does not take, is refused
     with a SetupError naming the ones there are."""
-    from omegaconf import OmegaConf
-
-    from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+    from decodelab.models.loading import instantiate_option
 
     names = backend_names()
     raise_if([] if name in names else [f"no cache backend {name!r}; the backends are {', '.join(names)} "
                                        "(conf/cache/*.yaml)"])
-    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / "cache" / f"{name}.yaml"), options)
-    return instantiate_unwrapped(spec, where="")
+    return instantiate_option("cache", name, **options)

@@ -404,7 +404,8 @@ def damaged_artifact(err: BaseException, folder: str) -> tuple[str, BaseExceptio
         seen.add(id(err))
         text = str(err)
         if isinstance(err, (ImportError, OSError)):
-            damaged = any(m in text.lower() for m in LOAD_FAILURES)
+            low = text.lower()
+            damaged = any(m in low for m in LOAD_FAILURES)
         else:
             damaged = type(err).__name__ == "CppCompileError" and _zero_byte_library(folder)
         m = re.search(pattern, text) if damaged else None

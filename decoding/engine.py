@@ -201,10 +201,8 @@ class Engine:
         """Why a request can never run here (None: it can)."""
         p = token_id_problems([req.prompt], self.model.cfg.vocab_size)
         n = req.max_new_tokens
-        bad_n = new_tokens_problems(n)
-        fits = not p and not bad_n  # sizes are read only for valid ids and a valid count
-        p += bad_n
-        if fits:
+        p += new_tokens_problems(n)
+        if not p:  # sizes are read only for valid ids and a valid count
             need = len(req.prompt) + n + self.decoder.lookahead  # a verify writes past the output
             if need > min(self.cache.capacity, self.model.cfg.max_seq_len):
                 p.append(f"prompt ({len(req.prompt)}) + max_new_tokens ({n}) = {need} tokens exceeds a cache row "

@@ -61,7 +61,7 @@ class GenerationResult:
 
     def summary(self) -> dict:
         """TTFT, ITL percentiles (ms), decode and total tokens/s, KV bytes."""
-        itl = sorted(self.itl())
+        itl = self.itl()
         n_dec = sum(max(0, len(t) - 1) for t in self.tokens)
         dec_s = max((t[-1] for t in self.token_times if t), default=0.0) - min(
             (t[0] for t in self.token_times if t), default=0.0)

@@ -15,6 +15,7 @@ option of a swept group. Configs of the user's own (`--config-dir DIR`,
 from __future__ import annotations
 
 import difflib
+import functools
 import sys
 from pathlib import Path
 from typing import Callable
@@ -22,7 +23,7 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from decodelab.models.errors import SetupError
-from decodelab.models.loading import CONF_DIR
+from decodelab.models.loading import CONF_DIR, config_options
 
 #: Hydra's flags that print and exit (`--cfg job`, `--info defaults`, `--shell-completion
 #: install=bash`: the word after one is not a setting) or that choose another primary
@@ -42,6 +43,7 @@ def as_is(argv: list[str]) -> bool:
     return any(a.partition("=")[0] in HYDRA_AS_IS for a in argv)
 
 
+@functools.cache
 def _parser():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -76,8 +78,10 @@ def _config_dirs(path: list[str]) -> list[Path]:
 
 
 def group_options(group: str, path: list[str] = ()) -> list[str]:
-    """The options of a config group: its yaml files, packaged and in the search path."""
-    return sorted({f.stem for d in _config_dirs(list(path)) for f in (d / group).glob("*.yaml")})
+    """The options of a config group: its yaml files, packaged (`config_options`) and in
+    the search path."""
+    return sorted({*config_options(group), *(f.stem for d in _config_dirs(list(path))[1:]
+                                             for f in (d / group).glob("*.yaml"))})
 
 
 def _group(key: str, path: list[str] = ()) -> str | None:
@@ -91,8 +95,10 @@ def _values(o, names: list[str]) -> list[str]:
     """The option names an override of a group asks for, in order (a glob: the matching ones)."""
     from hydra.core.override_parser.types import Glob, ValueType
 
-    if o.is_delete() or o.value() is None:
+    if o.is_delete():
         return []
+    if o.value() is None:
+        return ["null"]  # no config of the group
     if o.value_type == ValueType.GLOB_CHOICE_SWEEP and isinstance(o.value(), Glob):
         return o.value().filter(names)
     if o.is_sweep_override():
@@ -110,7 +116,7 @@ def group_choices(overrides, path: list[str] = ()) -> tuple[list[str], dict]:
         if group is None:
             continue
         names = group_options(group, path)
-        values = ["null"] if o.value() is None and not o.is_delete() else _values(o, names)
+        values = _values(o, names)
         bad = [v for v in values if v not in names and v != "null"]
         reasons += [f"{o.key_or_group}={v}: no such {group}; the options are {', '.join(names)}" for v in bad]
         if o.value_type is not None and o.value_type.name == "RANGE_SWEEP":
@@ -129,19 +135,36 @@ def _under(o) -> str:
     return f"{o.package or o.key_or_group.lstrip('+~')}."
 
 
+def _first_options(overrides, chosen: dict) -> dict[int, str]:
+    """{index: the group's override with its first good option} (a deletion as written);
+    a group override with no good option is left out."""
+    return {i: _as(overrides[i], (v or [None])[0]) for i, v in chosen.items() if v or overrides[i].is_delete()}
+
+
+def _read(argv: list[str]) -> tuple[list, list[str], list[str], dict]:
+    """A command line through Hydra's parser: (overrides, the search path of its existing
+    config folders, reasons so far, `group_choices`'s options); raises Hydra's
+    OverrideParseException for text its grammar refuses."""
+    texts, dirs = split_argv(argv)
+    overrides = _parser().parse_overrides(texts)
+    path = search_path(dirs, overrides)
+    reasons, chosen = group_choices(overrides, path)
+    missing = [p for p in path if p.startswith("file://") and not Path(p.removeprefix("file://")).is_dir()]
+    reasons += [f"config folder {p.removeprefix('file://')} (--config-dir or hydra.searchpath) is not a directory; "
+                "give the folder that holds your group folders (model/, cache/, ...)" for p in missing]
+    return overrides, [p for p in path if p not in missing], reasons, chosen
+
+
 def split_choices(argv: list[str]) -> tuple[list[str], list[str]]:
     """(reasons for group options that do not exist, the command line's overrides without
     them, each sweep of a group reduced to its first good option); an override Hydra's
     parser refuses is a reason of its own."""
-    texts, dirs = split_argv(argv)
     try:
-        overrides = _parser().parse_overrides(texts)
+        overrides, _, reasons, chosen = _read(argv)
     except Exception as e:  # hydra.errors.OverrideParseException: the grammar's own message
         return [str(e).splitlines()[0]], []
-    reasons, chosen = group_choices(overrides, search_path(dirs, overrides))
-    kept = [o.input_line if i not in chosen else _as(o, (chosen[i] or [None])[0]) for i, o in enumerate(overrides)
-            if i not in chosen or chosen[i] or o.is_delete()]
-    return reasons, kept
+    firsts = _first_options(overrides, chosen)
+    return reasons, [firsts.get(i, o.input_line) for i, o in enumerate(overrides) if i not in chosen or i in firsts]
 
 
 def _first(o) -> str:
@@ -224,19 +247,12 @@ def precheck(argv: list[str], config_name: str, check: Callable) -> list[str]:
     command line for Hydra (`as_lists`)."""
     if as_is(argv):
         return argv
-    texts, dirs = split_argv(argv)
     try:
-        overrides = _parser().parse_overrides(texts)
+        overrides, path, reasons, chosen = _read(argv)
     except Exception as e:  # hydra.errors.OverrideParseException
         return _refuse([str(e).splitlines()[0]])
-    path = search_path(dirs, overrides)
-    reasons, chosen = group_choices(overrides, path)
-    missing = [p for p in path if p.startswith("file://") and not Path(p.removeprefix("file://")).is_dir()]
-    reasons += [f"config folder {p.removeprefix('file://')} (--config-dir or hydra.searchpath) is not a directory; "
-                "give the folder that holds your group folders (model/, cache/, ...)" for p in missing]
-    path = [p for p in path if p not in missing]
     extra = [f"hydra.searchpath=[{','.join(path)}]"] if path else []
-    groups = {i: _as(overrides[i], (v or [None])[0]) for i, v in chosen.items() if v or overrides[i].is_delete()}
+    groups = _first_options(overrides, chosen)
     rest = [a for a in (_first(o) for i, o in enumerate(overrides)
                         if i not in chosen and not o.key_or_group.startswith("hydra.")) if a]
     try:

@@ -39,7 +39,7 @@ from decodelab.decoding.generate import compile_problems, sync
 from decodelab.decoding.text import compiled_capacity
 from decodelab.experiments.cli import group_options
 from decodelab.models.errors import SetupError, raise_if
-from decodelab.models.loading import CONF_DIR, added_key_problems, instantiate_unwrapped
+from decodelab.models.loading import CONF_DIR, added_key_problems, instantiate_option, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.harness")
 RESULTS = "results.jsonl"
@@ -325,8 +325,7 @@ def option(group: str, name: str, where: str = "", **overrides):
     option overrides (an override its target does not take is refused, named `where`+key)."""
     raise_if([] if name in group_options(group) else
              [f"no {group} option {name!r}; the options are {', '.join(group_options(group))}"])
-    return instantiate_unwrapped(OmegaConf.merge(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), overrides),
-                                 where=where)
+    return instantiate_option(group, name, where, **overrides)
 
 
 def cache_factory(name: str, **options):

@@ -595,8 +595,11 @@ def check(cfg: DictConfig) -> None:
         known = harness.group_options("cache")
         p += [f"ppl_caches: no cache {c!r}; the options are {', '.join(known)}" for c in cfg.ppl_caches
               if c not in known]
-        p += [f"ppl_weights: {w!r} is not one of ['int8', 'int4'] (fp32 always runs)" for w in cfg.ppl_weights
-              if w not in ("int8", "int4")]
+        from decodelab.models.quantize import WEIGHT_TYPES
+
+        quantized = [w for w in WEIGHT_TYPES if w != "none"]
+        p += [f"ppl_weights: {w!r} is not one of {quantized} (fp32 always runs)" for w in cfg.ppl_weights
+              if w not in quantized]
         if not list(cfg.ppl_caches):
             p.append("ppl_caches must name at least one cache backend (dense, ...)")
     if cfg.part == "spec_gamma":

@@ -61,17 +61,16 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def window_nll(chunks: ChunkLogits, ids: list[int], begin: int, end: int, first: int) -> tuple[float, int]:
+def window_nll(chunks: ChunkLogits, ids: list[int], end: int, first: int) -> tuple[float, int]:
     """(sum of -log p(target), count) over the window's scored targets first..end-1."""
     total, count = 0.0, 0
-    for start, logits in chunks:  # logits [t, V] at positions start .. start + t - 1
-        pos = torch.arange(start, start + logits.shape[0])
-        keep = (pos + 1 >= first) & (pos + 1 < end)
-        if keep.any():
-            targets = torch.tensor([ids[p + 1] for p in pos[keep].tolist()])
-            lp = torch.log_softmax(logits[keep].double(), dim=-1)  # [k, V]
+    for start, logits in chunks:  # logits [t, V] at positions start .. start + t - 1; row r predicts start + r + 1
+        lo, hi = max(first - 1 - start, 0), min(end - 1 - start, logits.shape[0])
+        if lo < hi:
+            targets = torch.tensor(ids[start + lo + 1:start + hi + 1], device=logits.device)  # [k]
+            lp = torch.log_softmax(logits[lo:hi].double(), dim=-1)  # [k, V]
             total -= float(lp.gather(1, targets[:, None]).sum())
-            count += int(keep.sum())
+            count += hi - lo
     return total, count
 
 
@@ -81,28 +80,28 @@ def perplexity(chunk_logits: Callable[[list[int], int], ChunkLogits], ids: list[
     ids, begin)` yields (position, logits) chunks over one window."""
     total, count, wins = 0.0, 0, windows(len(ids), context, stride)
     for begin, end, first in wins:
-        s, c = window_nll(chunk_logits(ids[begin:end], begin), ids, begin, end, first)
+        s, c = window_nll(chunk_logits(ids[begin:end], begin), ids, end, first)
         total, count = total + s, count + c
     return {"perplexity": math.exp(total / count), "nll_mean": total / count, "tokens": count, "windows": len(wins)}
 
 
 def ours(model, factory, chunk: int) -> Callable[[list[int], int], ChunkLogits]:
     """Our model through a fresh cache from `factory` per window, fed `chunk` tokens per forward."""
+    @torch.no_grad()
     def run(window: list[int], begin: int) -> ChunkLogits:
         cache = make_cache(model, 1, len(window), factory)
         for a in range(0, len(window), chunk):
             ids = torch.tensor([window[a:a + chunk]], device=model.device)  # [1, t]
             pos = torch.arange(a, a + ids.shape[1], device=model.device)[None]  # [1, t]
-            with torch.no_grad():
-                yield begin + a, model(ids, pos, cache)[0].float()  # [t, V]
+            yield begin + a, model(ids, pos, cache)[0].float()  # [t, V]
     return run
 
 
 def transformers_one_pass(hf) -> Callable[[list[int], int], ChunkLogits]:
     """transformers' model (fp32, or with quanto's weights) over a window in one forward."""
+    @torch.no_grad()
     def run(window: list[int], begin: int) -> ChunkLogits:
-        with torch.no_grad():
-            yield begin, hf(torch.tensor([window], device=hf.device)).logits[0].float()
+        yield begin, hf(torch.tensor([window], device=hf.device)).logits[0].float()
     return run
 
 
@@ -112,12 +111,12 @@ def transformers_cached(hf, make_cache_: Callable, chunk: int) -> Callable[[list
 
     kw = hf_cache_kwarg(hf)
 
+    @torch.no_grad()
     def run(window: list[int], begin: int) -> ChunkLogits:
         cache = make_cache_()
         for a in range(0, len(window), chunk):
             ids = torch.tensor([window[a:a + chunk]], device=hf.device)
-            with torch.no_grad():
-                o = hf(ids, use_cache=True, **{kw: cache})
+            o = hf(ids, use_cache=True, **{kw: cache})
             cache = getattr(o, kw)
             yield begin + a, o.logits[0].float()
     return run

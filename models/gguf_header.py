@@ -1,6 +1,6 @@
-"""The tensor types a GGUF file stores, read from its header alone (milliseconds; the
-`gguf` package's reader maps every tensor and takes seconds). Run conditions say from
-which quantized types a model's fp32 weights were dequantized.
+"""The tensor types a GGUF file stores, read from its header alone (the `gguf` package's
+reader maps every tensor). Run conditions say from which quantized types a model's fp32
+weights were dequantized.
 
 Layout (GGUF v2/v3, little-endian): magic `GGUF`, u32 version, u64 tensor count, u64
 key-value count; each key-value: string key, u32 value type, value; then per tensor: string

@@ -219,7 +219,7 @@ def load_hf_dir(path: str | Path, dtype: str = "auto", device: str | None = "aut
                      source={"source": "hf", "path": str(path.resolve())})
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         try:
-            tok = lm.tokenizer  # loaded now, and its chat template compiled (a first render costs ~5 ms)
+            tok = lm.tokenizer  # loaded now, and its chat template compiled (by a first render)
             tok.encode("hi", chat=tok.has_chat_template)
         except Exception:  # a broken tokenizer fails where it is used, as before: token ids need none
             lm._tokenizer = None
@@ -541,8 +541,23 @@ def load_package_gguf(package: str, file: str | None = None, dtype: str = "float
 
 
 # -- by name ------------------------------------------------------------------------
+def config_options(group: str) -> list[str]:
+    """The packaged options of a config group: the yaml files in conf/<group>/."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def instantiate_option(group: str, name: str, where: str = "", **overrides):
+    """conf/<group>/<name>.yaml with `overrides` merged over it, instantiated (a factory
+    where the yaml is `_partial_`; an override its target does not take is refused, named
+    `where`+key). The caller checks `name` against `config_options(group)`."""
+    from omegaconf import OmegaConf
+
+    spec = OmegaConf.merge(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"), overrides)
+    return instantiate_unwrapped(spec, where=where)
+
+
 def model_names() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+    return config_options("model")
 
 
 def model_spec(name: str) -> dict:

@@ -356,8 +356,8 @@ class Transformer(nn.Module):
 
     def pack_weights(self) -> "Transformer":
         """Build oneDNN's packed copy of every projection (and of a tied head) now, where the
-        matmul is `onednn`: packing costs about a second for a 135M model, which the first
-        multi-row product (the first prompt's prefill) would otherwise pay in its TTFT."""
+        matmul is `onednn`, so that the first multi-row product (the first prompt's prefill)
+        does not pay for it in its TTFT (the copies are the ones `PackedWeight.get` keeps)."""
         if self.matmul != "onednn":
             return self
         with torch.no_grad():

@@ -31,7 +31,7 @@ def test_window_nll_is_the_hand_computed_one():
     ids = [0, 1, 1, 0, 1]
     logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(5, 1)
     chunks = [(0, logits[:2]), (2, logits[2:])]  # two chunks, as a cache is fed
-    total, count = ppl.window_nll(iter(chunks), ids, 0, 5, 2)  # targets 2, 3, 4: 1, 0, 1
+    total, count = ppl.window_nll(iter(chunks), ids, 5, 2)  # targets 2, 3, 4: 1, 0, 1
     assert count == 3 and total == pytest.approx(-(2 * math.log(0.75) + math.log(0.25)))
 
 
