@@ -1,9 +1,13 @@
-"""The `KVCache` contract, its layout, and the bookkeeping every backend shares.
+"""The `KVCache` contract, its layout, the per-forward attention plan, and the
+bookkeeping every backend shares.
 
 A cache is one object per model; storage layout and the attention that reads it live
-together, because the layout decides the kernel. Per forward the model calls:
+together, because the layout decides the kernel. The cache holds only what persists
+between forwards (storage, lengths, allocation, prefix index, quantization state); what
+one forward needs is a value, its `Plan` (vLLM v1's attention metadata is the anchor).
+Per forward the model calls:
 
-`prepare(positions, valid=None, rows=None)`, once, before the first layer:
+`plan = cache.plan(positions, valid=None, rows=None)`, once, before the first layer:
 - receives `positions` [B, T] (int, any device): the position of every new token, rows
   in the cache's batch order; and `valid` [B, T] (bool, or None for all True): False
   marks padding, which is never cached as a key of any valid query;
@@ -13,15 +17,18 @@ together, because the layout decides the kernel. Per forward the model calls:
   forward over a subset refuses it (`refusal`);
 - checks that the batch has `batch_size` rows and that every position fits `capacity`
   (else SetupError, and the cache is unchanged);
-- sets `lengths` [B]: each row's last valid position + 1 (a row with no valid token
-  keeps its length);
-- keeps, for this forward only, the positions and the valid mask on the host and
-  whatever the backend plans from them (write slots, blocks it allocates, key spans and
-  masks per window, kernel arguments): every layer of the forward reuses that plan.
+- does the host bookkeeping the forward needs, on the cache (`lengths` [B]: each row's
+  last valid position + 1, a row with no valid token keeps its length; the blocks it
+  allocates, the ring slots it advances, the int4 blocks due for quantization);
+- returns an immutable `Plan` (a backend's subclass): the positions and the valid mask,
+  and whatever the backend derived from them for its attention (write slots, key spans
+  and masks per window, kernel arguments). Any number of plans can be in flight (the
+  segments of one forward over several groups of rows, a draft and its target): each
+  layer's attention reads only the plan it is handed.
 
-`attend(layer, q, k, v)`, once per attention layer, in layer order:
+`attend(layer, q, k, v, plan)`, once per attention layer, in layer order:
 - receives the layer index, q [B, Hq, T, D] and the new k, v [B, Hkv, T, D] of the
-  tokens `prepare` announced (Hq a multiple of Hkv: grouped-query attention);
+  tokens `plan` announced (Hq a multiple of Hkv: grouped-query attention);
 - stores k, v of the valid tokens at their positions (a backend may also write the
   padding's slots past a row's length; no valid query ever reads them);
 - returns [B, Hq, T, D]: for each query at position q, softmax attention over the keys
@@ -48,6 +55,7 @@ its options alone), so a caller can refuse a cache that cannot fit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -83,6 +91,26 @@ class CacheLayout:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * elem
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One forward's attention metadata, as a value: what `KVCache.plan` booked and every
+    layer's `attend` reads. Backends extend it with what their attention derives from it
+    (`extend`); nothing of it is stored on the cache."""
+
+    positions: torch.Tensor  # [B, T] host: position of every new token
+    valid: torch.Tensor  # [B, T] bool host: False marks padding
+    rows: torch.Tensor | None  # [B] host: the cache row of each row of the forward; None: all, in order
+
+    def cache_rows(self, batch_size: int) -> torch.Tensor:
+        """[B] the cache row of each row of the forward."""
+        return torch.arange(batch_size) if self.rows is None else self.rows
+
+
+def extend(plan: Plan, cls: type, **fields):
+    """`plan` as an instance of its subclass `cls`, with `fields` added."""
+    return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}, **fields)
+
+
 @dataclass
 class StaticView:
     """A cache's storage at fixed shapes, for a decode step replayed as a CUDA graph
@@ -94,14 +122,14 @@ class StaticView:
     v: list[torch.Tensor]  # per layer [Hkv, N, bs, D]: value blocks
     table: torch.Tensor  # [B, M] int32 on the device: block of row b's positions [i * bs, (i + 1) * bs)
     block_size: int  # bs
-    host_table: torch.Tensor | None = None  # [B, M] the cache's table, edited in place by `prepare`; None: fixed
+    host_table: torch.Tensor | None = None  # [B, M] the cache's table, edited in place by `plan`; None: fixed
     #: per layer [B, Hkv, S, D]: the same storage as one row-major buffer per layer (a dense
     #: cache, whose table is the identity), which a CPU step attends over directly; None: pools only
     rows_k: list[torch.Tensor] | None = None
     rows_v: list[torch.Tensor] | None = None
 
     def refresh(self) -> None:
-        """Host -> device: the block table as the cache's last `prepare` left it (the blocks
+        """Host -> device: the block table as the cache's last `plan` left it (the blocks
         it allocated); nothing to do for a fixed table. Call it before every step."""
         if self.host_table is not None:
             self.table.copy_(self.host_table, non_blocking=True)
@@ -146,7 +174,7 @@ class KVCache:
     """Shared bookkeeping: per-row lengths, capacity checks, rollback, byte accounting.
 
     Subclasses implement `attend`, `nbytes` and their storage; they may extend
-    `prepare`, `truncate` and `reset`.
+    `plan` (returning their own `Plan` subclass), `truncate` and `reset`.
     """
 
     #: how many tokens a row can roll back after a forward; a declared capability,
@@ -157,15 +185,10 @@ class KVCache:
     lossy: bool = False
     #: leading positions a windowed layer keeps visible (StreamingLLM attention sinks)
     sink_tokens: int = 0
-    #: whether `prepare(..., rows=...)` and `release(row)` work (a serving engine needs both),
+    #: whether `plan(..., rows=...)` and `release(row)` work (a serving engine needs both),
     #: and, where not, why: a declared capability, checked when an engine is built
     serves_row_subsets: bool = False
     row_subset_reason: str = "its storage is planned for the whole batch at once"
-    #: the attributes `prepare` sets for one forward (a backend names its own too): a forward
-    #: over several segments of distinct rows prepares each, keeps `forward_state()`, and
-    #: `resume_forward`s it before the segment attends in each layer
-    FORWARD_STATE: tuple[str, ...] = ("_qpos", "_valid", "_masks", "_sel")
-
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, **options) -> int:
         """K/V bytes a cache of these sizes and options holds at most (allocated up front,
@@ -186,14 +209,14 @@ class KVCache:
             raise SetupError(reasons)
         self.layout, self.batch_size, self.capacity = layout, batch_size, capacity
         self.lengths = torch.zeros(batch_size, dtype=torch.long)  # [B] tokens cached per row
-        self._qpos: torch.Tensor | None = None  # [B, T] positions of the current forward
 
     # -- called by the model -------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None,
-                rows: list[int] | torch.Tensor | None = None) -> None:
-        """Start a forward over positions [B, T] (or [b, T] of the cache `rows` [b]);
-        `valid` False marks padding. Each row's length becomes its last valid position + 1
-        (rows with none keep theirs)."""
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None,
+             rows: list[int] | torch.Tensor | None = None) -> Plan:
+        """Book a forward over positions [B, T] (or [b, T] of the cache `rows` [b]; `valid`
+        False marks padding) and return its `Plan`. Each row's length becomes its last
+        valid position + 1 (rows with none keep theirs). Backends extend the plan with what
+        their attention reads and do their own bookkeeping (cache/base.py's docstring)."""
         pos = positions.detach().cpu()
         sel = self._selection(rows, pos.shape[0])
         top = int(pos.max())
@@ -209,17 +232,7 @@ class KVCache:
         else:
             self.lengths = self.lengths.clone()
             self.lengths[sel] = new
-        self._qpos, self._valid, self._masks, self._sel = pos, ok, {}, sel
-
-    def forward_state(self) -> dict:
-        """What the last `prepare` planned for its forward (`FORWARD_STATE`)."""
-        return {a: getattr(self, a) for a in self.FORWARD_STATE}
-
-    def resume_forward(self, state: dict) -> None:
-        """Attend as the forward `state` was prepared (`forward_state`): a forward over
-        several segments (`Transformer.forward_segments`) switches between them per layer.
-        Valid only for the segments of the forward prepared last."""
-        self.__dict__.update(state)
+        return Plan(pos, ok, sel)
 
     def _selection(self, rows, n: int) -> torch.Tensor | None:
         """`rows` as a [b] tensor of distinct cache rows for a forward of n rows (None: all
@@ -238,9 +251,9 @@ class KVCache:
                                self.row_subset_reason)
         return None if n == self.batch_size and bool((sel == torch.arange(n)).all()) else sel
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store the valid new k, v [B, Hkv, T, D] at the positions `prepare` received and
-        return attention [B, Hq, T, D] of q [B, Hq, T, D] over the row's visible keys."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """Store the valid new k, v [B, Hkv, T, D] at the positions `plan` booked and return
+        attention [B, Hq, T, D] of q [B, Hq, T, D] over the row's visible keys."""
         raise NotImplementedError
 
     def window(self, layer: int) -> int | None:
@@ -300,16 +313,16 @@ class KVCache:
         """Forget every row, then make each hold positions [0, n_tokens) of random K/V
         (standard normal, drawn on the cache's device from `seed`), with the bookkeeping a
         prefill of them leaves: for kernel checks and benchmarks, whose speed does not
-        depend on the values. Default: one forward of random q, k, v through `prepare`
+        depend on the values. Default: one forward of random q, k, v through `plan`
         and `attend` (its attention is computed and dropped); backends with plain storage
         draw it directly instead."""
         self.reset()
         lay, g = self.layout, torch.Generator(device=self.layout.device).manual_seed(seed)
-        self.prepare(torch.arange(n_tokens).expand(self.batch_size, -1))
+        plan = self.plan(torch.arange(n_tokens).expand(self.batch_size, -1))
         shape = (self.batch_size, lay.n_kv_heads, n_tokens, lay.head_dim)  # [B, Hkv, T, D]
         for layer in range(lay.n_layers):
             q, k, v = (torch.randn(shape, generator=g, device=lay.device).to(lay.dtype) for _ in range(3))
-            self.attend(layer, q, k, v)
+            self.attend(layer, q, k, v, plan)
 
     def release(self, row: int) -> None:
         """Forget one row and free its storage for the next sequence; the other rows keep

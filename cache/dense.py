@@ -8,19 +8,40 @@ slots inside their window (exact Gemma 3), but all layers keep full storage.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from decodelab.cache.base import (CacheLayout, KVCache, StaticView, attention_mask, is_plain_causal,
+from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attention_mask, extend, is_plain_causal,
                                   reference_attention)
 from decodelab.cache.kernels.paged import dense_as_pool
+
+
+@dataclass(frozen=True)
+class Span:
+    """The slots [lo, hi) of every row that one window's layers read in a forward."""
+
+    lo: int
+    hi: int
+    mask: torch.Tensor | None  # [B, 1, T, hi - lo] on the device, True = attend; None: all (or causal)
+    causal: bool  # the square lower triangle over exactly the new tokens (SDPA's is_causal)
+
+
+@dataclass(frozen=True)
+class DensePlan(Plan):
+    """A dense forward: where it writes and, per window, which slots it reads."""
+
+    contiguous: int | None  # every row writes slots [contiguous, contiguous + T); None: scattered
+    dev_rows: torch.Tensor  # [B, 1] the cache rows, on the device
+    rows_slice: slice | None  # the forward's rows as a slice of the buffers; None: not consecutive
+    dev_positions: torch.Tensor  # [B, T] positions on the device
+    spans: dict  # window -> Span, for every window of the layers this backend attends densely
 
 
 class DenseCache(KVCache):
     """One [B, Hkv, capacity, D] K and V buffer per layer; slot p holds position p."""
 
     serves_row_subsets = True  # a row is its own slice of every buffer
-    FORWARD_STATE = KVCache.FORWARD_STATE + ("_contiguous", "_rows", "_slice", "_dev_pos")
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int):
         super().__init__(layout, batch_size, capacity)
@@ -29,57 +50,60 @@ class DenseCache(KVCache):
         self.k = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [B, Hkv, S, D] each
         self.v = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
 
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
-        super().prepare(positions, valid, rows)
-        pos, sel = self._qpos, self._sel
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> DensePlan:
+        """Book the forward; plan its writes (one slice when every row continues at the same
+        position) and, per window, the slots it reads and their mask."""
+        base = super().plan(positions, valid, rows)
+        pos, sel, dev = base.positions, base.rows, self.layout.device
         start = int(pos[0, 0])
         same = bool((pos == start + torch.arange(pos.shape[1])).all())
-        self._contiguous = start if same else None  # all rows write one slice
-        dev = self.layout.device
-        self._rows = (torch.arange(self.batch_size) if sel is None else sel).to(dev)[:, None]  # [b, 1] cache rows
-        # the forward's rows as a slice of the buffers (all rows, or a consecutive run), else None
         run = sel is None or bool((sel == sel[0] + torch.arange(len(sel))).all())
-        self._slice = slice(None) if sel is None else (slice(int(sel[0]), int(sel[0]) + len(sel)) if run else None)
-        self._dev_pos = positions.to(dev)
+        rows_slice = slice(None) if sel is None else (slice(int(sel[0]), int(sel[0]) + len(sel)) if run else None)
+        spans = {w: self._span(pos, w) for w in self._dense_windows()}
+        return extend(base, DensePlan, contiguous=start if same else None,
+                      dev_rows=base.cache_rows(self.batch_size).to(dev)[:, None], rows_slice=rows_slice,
+                      dev_positions=positions.to(dev), spans=spans)
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._contiguous is not None and self._slice is not None:
-            s, r = self._contiguous, self._slice
+    def _dense_windows(self) -> set:
+        """The windows of the layers this backend attends over its dense buffers."""
+        return set(self.layout.windows)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: DensePlan) -> None:
+        if plan.contiguous is not None and plan.rows_slice is not None:
+            s, r = plan.contiguous, plan.rows_slice
             self.k[layer][r, :, s:s + k.shape[2]] = k
             self.v[layer][r, :, s:s + v.shape[2]] = v
         else:  # [b, T] advanced index around a slice -> values laid out [b, T, Hkv, D]
-            self.k[layer][self._rows, :, self._dev_pos] = k.transpose(1, 2)
-            self.v[layer][self._rows, :, self._dev_pos] = v.transpose(1, 2)
+            self.k[layer][plan.dev_rows, :, plan.dev_positions] = k.transpose(1, 2)
+            self.v[layer][plan.dev_rows, :, plan.dev_positions] = v.transpose(1, 2)
 
-    def _held(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    @staticmethod
+    def _held(t: torch.Tensor, lo: int, hi: int, plan: DensePlan) -> torch.Tensor:
         """Slots [lo, hi) of the forward's rows of one buffer [B, Hkv, S, D] (a view, or a
         gather when the rows are not consecutive)."""
-        if self._slice is not None:
-            return t[self._slice, :, lo:hi]
-        return t[:, :, lo:hi].index_select(0, self._rows[:, 0])
+        if plan.rows_slice is not None:
+            return t[plan.rows_slice, :, lo:hi]
+        return t[:, :, lo:hi].index_select(0, plan.dev_rows[:, 0])
 
-    def _span(self, window: int | None) -> tuple[int, int, torch.Tensor | None, bool]:
-        """Slots [lo, hi) this forward reads for a window, their mask, and whether that
-        mask is the plain causal triangle (memoized per forward)."""
-        if window not in self._masks:
-            q = self._qpos
-            lo = 0 if window is None else max(0, int(q.min()) - window + 1)
-            hi = int(q.max()) + 1
-            kpos = torch.arange(lo, hi).expand(q.shape[0], -1)  # [B, S]
-            if is_plain_causal(q, kpos, window):
-                self._masks[window] = (lo, hi, None, True)
-            else:
-                mask = attention_mask(q, kpos, window)
-                self._masks[window] = (lo, hi, None if mask is None else mask.to(self.layout.device), False)
-        return self._masks[window]
+    def _span(self, q: torch.Tensor, window: int | None) -> Span:
+        """Slots [lo, hi) that queries at positions q [B, T] read in a window, their mask,
+        and whether that mask is the plain causal triangle."""
+        lo = 0 if window is None else max(0, int(q.min()) - window + 1)
+        hi = int(q.max()) + 1
+        kpos = torch.arange(lo, hi).expand(q.shape[0], -1)  # [B, S]
+        if is_plain_causal(q, kpos, window):
+            return Span(lo, hi, None, True)
+        mask = attention_mask(q, kpos, window)
+        return Span(lo, hi, None if mask is None else mask.to(self.layout.device), False)
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, plan: DensePlan):
         """Write k, v [B, Hkv, T, D] at their positions; attend q [B, Hq, T, D] over the
-        slots this forward's window reads."""
-        self._write(layer, k, v)
-        lo, hi, mask, causal = self._span(self.layout.windows[layer])
-        keys, values = self._held(self.k[layer], lo, hi), self._held(self.v[layer], lo, hi)
-        return reference_attention(q, keys, values, mask, self.layout.softmax_scale, self.layout.softcap, causal)
+        slots the plan reads in the layer's window."""
+        self._write(layer, k, v, plan)
+        sp = plan.spans[self.layout.windows[layer]]
+        keys, values = self._held(self.k[layer], sp.lo, sp.hi, plan), self._held(self.v[layer], sp.lo, sp.hi, plan)
+        return reference_attention(q, keys, values, sp.mask, self.layout.softmax_scale, self.layout.softcap,
+                                   sp.causal)
 
     def read(self, layer, row):
         """Positions [n], k and v [Hkv, n, D]: the row's slots [0, n)."""
@@ -101,10 +125,10 @@ class DenseCache(KVCache):
         return StaticView(list(k), v, table[0], bs, rows_k=list(self.k), rows_v=list(self.v))
 
     def fill_random(self, n_tokens: int, seed: int = 0) -> None:
-        """Forget every row, then give each positions [0, n_tokens): `prepare` books them
+        """Forget every row, then give each positions [0, n_tokens): `plan` books them
         and slots [0, n_tokens) of every layer are drawn directly (no attention runs)."""
         self.reset()
-        self.prepare(torch.arange(n_tokens).expand(self.batch_size, -1))
+        KVCache.plan(self, torch.arange(n_tokens).expand(self.batch_size, -1))
         g = torch.Generator(device=self.layout.device).manual_seed(seed)
         for t in self.k + self.v:
             t[:, :, :n_tokens].normal_(generator=g)

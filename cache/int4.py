@@ -36,7 +36,7 @@ per row [B], the same in every layer; the codec is cache/int4_codec.py):
   held in both forms (counted by `nbytes`).
 Padding is never stored; rows may hold different lengths.
 
-One forward (all of it planned once, in `prepare`):
+One forward (all of it planned once, in `plan`, the value every layer's `attend` reads):
 1. store: append the row's new K/V to its exact store, then quantize the blocks its
    latest query sees quantized and the store lacks: Qs <- max(Qs, V(len - 1)).
 2. attend: keys = [dequantized positions [dequant_from, dequant_to) ..., exact positions
@@ -71,11 +71,11 @@ in both forms, and `nbytes` counts both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from decodelab.cache.base import CacheLayout, KVCache, is_plain_causal, reference_attention
+from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_causal, reference_attention
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
 from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_triton
@@ -115,7 +115,7 @@ def option_problems(layout: CacheLayout, nbits, group_size, residual, key_axis, 
     return p
 
 
-@dataclass
+@dataclass(frozen=True)
 class View:
     """The keys that the queries in columns [query_from, query_to) of the current forward
     read, in one window's layers: per row, dequantized positions [dequant_from, dequant_to)
@@ -133,8 +133,8 @@ class View:
     ragged: bool  # some slots stay empty (they must hold finite values)
 
 
-@dataclass
-class Plan:
+@dataclass(frozen=True)
+class Int4Plan(Plan):
     """One forward, per row: what `attend` stores, quantizes, reads and drops in every layer."""
 
     new_tokens: list[int]  # [B] valid new tokens
@@ -143,9 +143,8 @@ class Plan:
     quantize_to: list[int]
     drop: list[int]  # [B] exact tokens dropped from the store's front after the attention
     views: dict  # window -> [View], one per chunk of query columns
-    rows: list[int]  # [B] the cache row of each row of the forward (all rows, or `prepare`'s `rows`)
-    stored: set = field(default_factory=set)  # layers that stored this forward's K/V
-    dropped: set = field(default_factory=set)  # layers that dropped their exact copies since
+    fed: list[int]  # [B] the cache row of each row of the forward (all rows, or `plan`'s `rows`)
+    kernel_q: tuple | None  # (qpos [B, T], V(q) [B, T]) int32 on the device for the kernel; None: reference
 
 
 class QuantizedCache(KVCache):
@@ -154,7 +153,6 @@ class QuantizedCache(KVCache):
 
     lossy = True
     serves_row_subsets = True  # a row is its own stores: a forward plans only the rows it feeds
-    FORWARD_STATE = KVCache.FORWARD_STATE + ("_plan", "_kernel_q")
     #: a forward of more query columns attends in chunks of this many, each reading only the
     #: keys it needs: a long prefill then costs about the causal T^2 / 2 scores, not the
     #: T x 2T of one mask over every dequantized block and every exact token
@@ -220,7 +218,7 @@ class QuantizedCache(KVCache):
                 f"flush={self.flush}, rollback={self.rollback_limit}, key_axis={kg.axis}, value_axis={vg.axis})")
 
     def reset(self) -> None:
-        """Forget every row: empty quantized and exact stores, no forward planned."""
+        """Forget every row: empty quantized and exact stores."""
         super().reset()
         L, B, H, D = self.layout.n_layers, self.batch_size, self.layout.n_kv_heads, self.layout.head_dim
         kw = dict(dtype=self.layout.dtype, device=self.layout.device)
@@ -232,8 +230,6 @@ class QuantizedCache(KVCache):
         self.value_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
         self.quantized_len = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
         self.exact_start = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
-        self._plan: Plan | None = None
-        self._kernel_q: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- the rule ------------------------------------------------------------------
     def quantized_prefix(self, q):
@@ -244,14 +240,14 @@ class QuantizedCache(KVCache):
         return max(0, (q + 1 - self.residual) // self.flush) * self.flush
 
     # -- called by the model -------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
-        """Start a forward (each row must continue at its length, right padding only) and
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> Int4Plan:
+        """Book a forward (each row must continue at its length, right padding only) and
         plan it: what every layer stores, quantizes, reads (per window) and drops."""
         before = self.lengths
-        super().prepare(positions, valid, rows)
-        r = torch.arange(self.batch_size) if self._sel is None else self._sel  # [b] the cache rows fed
+        base = super().plan(positions, valid, rows)
+        r = base.cache_rows(self.batch_size)  # [b] the cache rows fed
         old = before[r]
-        pos, ok = self._qpos, self._valid  # [B, T]
+        pos, ok = base.positions, base.valid  # [B, T]
         T = pos.shape[1]
         n = self.lengths[r] - old  # [B] new tokens per row
         prefix = torch.arange(T)[None, :] < n[:, None]  # [B, T]
@@ -268,12 +264,14 @@ class QuantizedCache(KVCache):
         C = self.attention_chunk
         views = {w: [self._view(w, qeff[:, a:a + C], vis[:, a:a + C], a, p0) for a in range(0, T, C)]
                  for w in set(self.layout.windows)}
-        self._plan = Plan(n.tolist(), p0.tolist(), qs.tolist(), q_to.tolist(), (p0_new - p0).tolist(), views,
-                          r.tolist())
         self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
         self.quantized_len[r], self.exact_start[r] = q_to, p0_new  # what every layer holds once this forward is done
         kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C)  # decode-sized: one view, the kernel
-        self._kernel_q = self.kernel_queries() if kernel else None  # ([B, T] positions, their V(q))
+        dev = self.layout.device
+        kernel_q = (qeff.to(dev, torch.int32), vis.to(dev, torch.int32)) if kernel else None
+        return extend(base, Int4Plan, new_tokens=n.tolist(), exact_start=p0.tolist(), quantize_from=qs.tolist(),
+                      quantize_to=q_to.tolist(), drop=(p0_new - p0).tolist(), views=views, fed=r.tolist(),
+                      kernel_q=kernel_q)
 
     def _view(self, window, qeff, vis, a: int, exact_start: torch.Tensor) -> View:
         """Key slots of every row for the queries qeff [B, t] (columns a..a+t) in one window,
@@ -307,43 +305,44 @@ class QuantizedCache(KVCache):
         return View(a, a + qeff.shape[1], lo.tolist(), qa.tolist(), fs.tolist(), hi.tolist(), S, mask, causal,
                     bool((total < S).any()))
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, plan: Int4Plan):
         """Store the valid k, v [B, Hkv, T, D] and quantize the blocks now due; attend q
         [B, Hq, T, D] with the version of every key its position calls for; then drop the
         exact copies that no query can need any more."""
-        self._store(layer, k, v)
-        out = self.attention(layer, q)
-        self._flush(layer)
+        self._store(layer, k, v, plan)
+        out = self.attention(layer, q, plan)
+        self._flush(layer, plan)
         return out
 
-    def attention(self, layer: int, q: torch.Tensor, impl: str | None = None) -> torch.Tensor:
-        """Attention [B, Hq, T, D] of this forward's queries q [B, Hq, T, D] over what `layer`
-        holds, each key in the version its position calls for: the read half of `attend`,
-        repeatable, storing nothing. Valid once this forward's `attend` stored the layer's
-        K/V (`attend` calls it in between). `impl`: 'reference' (dequantize into scratch
-        buffers, then SDPA) or 'triton' (cache/kernels/int4.py); None: the cache's own choice."""
+    def attention(self, layer: int, q: torch.Tensor, plan: Int4Plan, impl: str | None = None) -> torch.Tensor:
+        """Attention [B, Hq, T, D] of the forward `plan`'s queries q [B, Hq, T, D] over what
+        `layer` holds, each key in the version its position calls for: the read half of
+        `attend`, repeatable, storing nothing. Valid once that forward's `attend` stored the
+        layer's K/V (`attend` calls it in between). `impl`: 'reference' (dequantize into
+        scratch buffers, then SDPA) or 'triton' (cache/kernels/int4.py); None: the plan's choice."""
         if impl not in (None, self.impl):
             raise_if(impl_problems(impl, self.layout.device))
-        views = self._views(layer)
-        kernel = self._kernel_q is not None if impl is None else resolve_impl(impl, self.layout.device) == "triton"
+        views = plan.views[self.layout.windows[layer]]
+        starts = self._exact_starts(layer, plan)
+        kernel = plan.kernel_q is not None if impl is None else resolve_impl(impl, self.layout.device) == "triton"
         lay, outs = self.layout, []
         for chunk, view in enumerate(views):  # one, unless the forward is long
             cols = slice(view.query_from, view.query_to)
+            self._check_exact(layer, view, starts)
             if kernel:
-                qpos, vis = self._kernel_q if self._kernel_q is not None else self.kernel_queries()
-                outs.append(int4_attention_triton(q[:, :, cols], self.kernel_rows(layer, chunk), qpos[:, cols],
+                qpos, vis = plan.kernel_q if plan.kernel_q is not None else self.kernel_queries(plan)
+                outs.append(int4_attention_triton(q[:, :, cols], self.kernel_rows(layer, plan, chunk), qpos[:, cols],
                                                   vis[:, cols], lay.softmax_scale, lay.windows[layer], lay.softcap))
                 continue
-            keys, values = self._gather(layer, view)  # [B, Hkv, S, D] each
+            keys, values = self._gather(layer, view, plan, starts)  # [B, Hkv, S, D] each
             outs.append(reference_attention(q[:, :, cols], keys, values, view.mask, lay.softmax_scale, lay.softcap,
                                             view.causal))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
-    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, p: Int4Plan) -> None:
         """Append each row's valid new tokens k, v [B, H, T, D] to its exact store; quantize
         the blocks [quantize_from, quantize_to) (one quanto call, the same bytes as block by block)."""
-        p = self._plan
-        for b, (n, row) in enumerate(zip(p.new_tokens, p.rows)):
+        for b, (n, row) in enumerate(zip(p.new_tokens, p.fed)):
             start, q_from, q_to = p.exact_start[b], p.quantize_from[b], p.quantize_to[b]
             for g, codes, exact, x in ((self.key_grouping, self.key_codes, self.key_exact, k),
                                        (self.value_grouping, self.value_codes, self.value_exact, v)):
@@ -352,43 +351,44 @@ class QuantizedCache(KVCache):
                 if q_to > q_from:
                     new = exact[layer][row][:, q_from - start:q_to - start]  # [H, q_to - q_from, D]
                     codes[layer][row] = g.append(codes[layer][row], quantize(new, g, self.scale_dtype))
-        p.stored.add(layer)
 
-    def _flush(self, layer: int) -> None:
+    def _flush(self, layer: int, p: Int4Plan) -> None:
         """Drop the exact copies of blocks no future query can need (fresh storage: freed)."""
-        for row, d in zip(self._plan.rows, self._plan.drop):
+        for row, d in zip(p.fed, p.drop):
             if d:
                 self.key_exact[layer][row] = self.key_exact[layer][row][:, d:].clone()
                 self.value_exact[layer][row] = self.value_exact[layer][row][:, d:].clone()
-        self._plan.dropped.add(layer)
 
     # -- reading -------------------------------------------------------------------
-    def _views(self, layer: int) -> list[View]:
-        """The views of this forward in the layer's window; refused before a forward stored it."""
-        if self._plan is None or layer not in self._plan.stored:
-            raise SetupError(f"layer {layer} of the int4 cache holds no K/V of a prepared forward: call "
-                             "prepare(positions) and attend(layer, q, k, v) before reading its attention")
-        return self._plan.views[self.layout.windows[layer]]
+    def _exact_starts(self, layer: int, plan: Int4Plan) -> list[int]:
+        """Per row of the forward, the position the layer's exact store starts at now: it
+        holds [start, length), so start = length - its size. That is the plan's P0 once the
+        layer stored the forward's K/V, or the new P0 once it also dropped; anything else
+        means the layer has not stored this forward (refused)."""
+        starts = []
+        for b, row in enumerate(plan.fed):
+            start = int(self.lengths[row]) - self.key_exact[layer][row].shape[1]
+            if start not in (plan.exact_start[b], int(self.exact_start[row])):
+                raise SetupError(f"layer {layer} of the int4 cache holds no K/V of this planned forward: call "
+                                 "plan(positions) and attend(layer, q, k, v, plan) before reading its attention")
+            starts.append(start)
+        return starts
 
-    def _exact_starts(self, layer: int, view: View) -> list[int]:
-        """Per row, the position the layer's exact store starts at now (the forward's drop may
-        have run), checked to hold every exact position the view reads."""
-        dropped = layer in self._plan.dropped
-        starts = self.exact_start[self._plan.rows].tolist() if dropped else self._plan.exact_start
+    @staticmethod
+    def _check_exact(layer: int, view: View, starts: list[int]) -> None:
+        """Every exact position the view reads is still held (from `starts` on)."""
         for b, (lo, hi, start) in enumerate(zip(view.exact_from, view.exact_to, starts)):
             if hi > lo and lo < start:
                 raise SetupError(f"layer {layer}, row {b}: the exact keys of positions [{lo}, {start}) this forward "
                                  "reads were dropped at the end of its attend (it spans more than rollback + 1 tokens)")
-        return starts
 
-    def _gather(self, layer: int, view: View):
+    def _gather(self, layer: int, view: View, plan: Int4Plan, starts: list[int]):
         """Scratch K and V buffers [B, H, S, D] of every row: dequantized blocks, then exact tokens."""
-        B, H, D = len(self._plan.rows), self.layout.n_kv_heads, self.layout.head_dim
+        B, H, D = len(plan.fed), self.layout.n_kv_heads, self.layout.head_dim
         new = torch.zeros if view.ragged else torch.empty  # masked slots must be finite (0 x nan = nan)
         kw = dict(dtype=self.layout.dtype, device=self.layout.device)
         kbuf, vbuf = new(B, H, view.slots, D, **kw), new(B, H, view.slots, D, **kw)
-        starts = self._exact_starts(layer, view)
-        for b, row in enumerate(self._plan.rows):
+        for b, row in enumerate(plan.fed):
             lo, qa, fs, e, p0 = (view.dequant_from[b], view.dequant_to[b], view.exact_from[b], view.exact_to[b],
                                  starts[b])
             for g, codes, exact, buf in ((self.key_grouping, self.key_codes, self.key_exact, kbuf),
@@ -399,22 +399,23 @@ class QuantizedCache(KVCache):
                     buf[b, :, qa - lo:qa - lo + e - fs].copy_(exact[layer][row][:, fs - p0:e - p0])
         return kbuf, vbuf
 
-    def kernel_rows(self, layer: int, chunk: int = 0) -> Int4Rows:
-        """One layer's stores and the key spans that chunk `chunk` of this forward's queries
-        reads (a single chunk unless the forward is longer than `attention_chunk`), as the
-        int4 kernels take them (cache/kernels/int4.py). Valid once the layer's `attend` ran."""
-        view, rows = self._views(layer)[chunk], self._plan.rows
+    def kernel_rows(self, layer: int, plan: Int4Plan, chunk: int = 0) -> Int4Rows:
+        """One layer's stores and the key spans that chunk `chunk` of the forward `plan`'s
+        queries reads (a single chunk unless the forward is longer than `attention_chunk`),
+        as the int4 kernels take them (cache/kernels/int4.py). Valid once the layer's
+        `attend` ran."""
+        view, rows = plan.views[self.layout.windows[layer]][chunk], plan.fed
+        starts = self._exact_starts(layer, plan)
+        self._check_exact(layer, view, starts)
         pick = lambda stores: [stores[layer][r] for r in rows]  # noqa: E731
         return Int4Rows(pick(self.key_codes), pick(self.value_codes), pick(self.key_exact),
-                        pick(self.value_exact), self._exact_starts(layer, view), self.key_grouping,
+                        pick(self.value_exact), starts, self.key_grouping,
                         self.value_grouping, view.dequant_from, view.dequant_to, view.exact_from, view.exact_to)
 
-    def kernel_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's query positions [B, T] (a padding query acts as its row's last, as
+    def kernel_queries(self, plan: Int4Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's query positions [B, T] (a padding query acts as its row's last, as
         in the plan) and their V(q) [B, T], int32 on the cache's device: the kernels' qpos, vis."""
-        if self._plan is None:
-            raise SetupError("the int4 cache has no forward prepared: call prepare(positions) first")
-        qeff = torch.where(self._valid, self._qpos, self.lengths[self._plan.rows][:, None] - 1)  # [B, T]
+        qeff = torch.where(plan.valid, plan.positions, self.lengths[plan.fed][:, None] - 1)  # [B, T]
         dev = self.layout.device
         return qeff.to(dev, torch.int32), self.quantized_prefix(qeff).to(dev, torch.int32)
 
@@ -448,7 +449,6 @@ class QuantizedCache(KVCache):
         new = torch.as_tensor(lengths, dtype=torch.long).cpu().reshape(-1)
         raise_if(self._truncate_problems(new))
         super().truncate(new)
-        self._plan = None  # the last forward's views no longer describe the rows
         for b, n in enumerate(new.tolist()):
             qs, p0 = int(self.quantized_len[b]), int(self.exact_start[b])
             keep = min(qs, n // self.flush * self.flush)
@@ -500,7 +500,6 @@ class QuantizedCache(KVCache):
             self.value_exact[layer][row] = self.value_exact[layer][row][:, :0].clone()
         self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
         self.quantized_len[row] = self.exact_start[row] = 0
-        self._plan = None
 
     def row_bytes(self, tokens: int) -> int:
         """What a row of `tokens` tokens holds at most: V(tokens - 1) quantized tokens and up to
@@ -519,7 +518,7 @@ class QuantizedCache(KVCache):
         quantized once and copied to every row (a long context then costs one quanto call
         per layer and kind, not one per row)."""
         self.reset()
-        KVCache.prepare(self, torch.arange(n_tokens).expand(self.batch_size, -1))  # lengths, capacity check
+        KVCache.plan(self, torch.arange(n_tokens).expand(self.batch_size, -1))  # lengths, capacity check
         lay, B = self.layout, self.batch_size
         qs = self.quantized_prefix(n_tokens - 1)
         p0 = max(0, min(qs, self.quantized_prefix(n_tokens - self.rollback_limit)))

@@ -2,15 +2,15 @@
 
 Position p of row b lives in block `table[b, p // block_size]` at offset
 `p % block_size`; one block id names the same slot range in every layer's pool. Blocks
-are allocated in `prepare` for valid (non-padding) positions only, and go back to the
+are allocated in `plan` for valid (non-padding) positions only, and go back to the
 free list when a row is truncated below them or reset. A freed block keeps its prefix
 hash, so a later prompt that starts with the same full blocks maps them instead of
 recomputing them, until the free list hands the block out again (least recently freed
 first). A block shared by several rows is copied before it is written (copy-on-write).
 
-Attention is a pure-torch reference: `prepare` builds, once per forward, the flat pool
-indices that each layer writes; the first layer of each window plans what that window can
-see, and every later layer of that window reuses the plan: gather those blocks into
+Attention is a pure-torch reference: `plan` builds, once per forward, the flat pool
+indices that each layer writes and, per window, what that window can see, which every
+layer of that window reads: gather those blocks into
 contiguous [B, Hkv, S, D] keys and values, or, for one row whose visible blocks are
 consecutive in the pool (the allocator prefers the block after a row's last one), read
 them as a strided view with no copy, as dense does. For that view each layer's pool is
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decodelab.cache.base import (CacheLayout, KVCache, StaticView, attention_mask, is_plain_causal,
-                                  reference_attention)
+from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attention_mask, extend,
+                                  is_plain_causal, reference_attention)
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
@@ -127,9 +127,9 @@ def pool_size(block_bytes: int, block_size: int, batch_size: int, capacity: int,
     return num_blocks, p
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Reads:
-    """What one window reads in the current forward (memoized per window)."""
+    """What one window's layers read in a forward."""
 
     gather: torch.Tensor | None  # [B * Hkv * S] rows of the flat pool [Hkv * N * bs, D], or
     run: tuple[int, int, int] | None  # (B == 1) first block, consecutive blocks, offset of slot 0
@@ -138,11 +138,21 @@ class _Reads:
     causal: bool  # keys are exactly this forward's tokens, square lower triangle
 
 
+@dataclass(frozen=True)
+class PagedPlan(Plan):
+    """A paged forward: the flat pool rows it writes and what each window reads (or the
+    Triton kernel's arguments, for a decode-sized forward on CUDA)."""
+
+    wdst: torch.Tensor  # [K] destination rows of the flat pool [Hkv * N * bs, D] (device)
+    wsrc: torch.Tensor | None  # [K] rows of the new K/V [B * T * Hkv, D] they take; None: all, in order
+    reads: dict  # window -> _Reads (empty when the kernel reads)
+    kernel: tuple | None  # (table [B, M], qpos [B, T], lengths [B], splits) for the Triton kernel
+
+
 class PagedCache(KVCache):
     """Block-pool KV cache with prefix sharing and copy-on-write."""
 
     serves_row_subsets = True  # a row is its block table: released blocks return to the free list
-    FORWARD_STATE = KVCache.FORWARD_STATE + ("_srows", "_wdst", "_wsrc", "_kernel")
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
                  num_blocks: int | None = None, memory_budget_mb: float | None = None,
@@ -183,37 +193,38 @@ class PagedCache(KVCache):
         return n * block_bytes
 
     # -- called by the model -------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
-        """Start a forward: give every valid position a private block slot (allocated,
-        or copied where shared) and build this forward's write indices. Raises
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> PagedPlan:
+        """Book a forward: give every valid position a private block slot (allocated, or
+        copied where shared); plan its write indices and each window's reads. Raises
         PoolExhausted (a SetupError), with nothing changed, when the pool cannot supply
         the blocks."""
         before = self.lengths
-        super().prepare(positions, valid, rows)
-        self._srows = torch.arange(self.batch_size) if self._sel is None else self._sel  # [b] cache rows
+        base = super().plan(positions, valid, rows)
+        srows = base.cache_rows(self.batch_size)  # [b] cache rows
         try:
-            self._claim(*self._targets())
+            self._claim(*self._targets(base.positions, base.valid, srows))
         except SetupError:
             self.lengths = before
             raise
-        self._write_index()
-        decode = self._qpos.shape[1] <= DECODE_QUERIES  # kernel-sized; a prefill takes the reference
-        self._kernel = self._kernel_inputs() if self.impl == "triton" and decode else None
+        wdst, wsrc = self._write_index(base.positions, base.valid, srows)
+        decode = base.positions.shape[1] <= DECODE_QUERIES  # kernel-sized; a prefill takes the reference
+        kernel = self._kernel_inputs(base.positions, srows) if self.impl == "triton" and decode else None
+        reads = {} if kernel is not None else {w: self._reads(base, srows, w) for w in set(self.layout.windows)}
+        return extend(base, PagedPlan, wdst=wdst, wsrc=wsrc, reads=reads, kernel=kernel)
 
-    def _kernel_inputs(self) -> tuple:
+    def _kernel_inputs(self, qpos: torch.Tensor, r: torch.Tensor) -> tuple:
         """The Triton kernel's per-forward arguments: block table [B, M], query positions
         [B, T] and lengths [B] on the device, and its split-K count for the longest row."""
         dev, hkv = self.layout.device, self.layout.n_kv_heads
-        r = self._srows
         splits = split_count(len(r) * hkv, int(self.lengths[r].max()), dev)
-        return (self.table[r].to(dev, torch.int32), self._qpos.to(dev, torch.int32),
+        return (self.table[r].to(dev, torch.int32), qpos.to(dev, torch.int32),
                 self.lengths[r].to(dev, torch.int32), splits)
 
-    def _targets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [K] and block indices [K] that this forward's valid positions write."""
+    def _targets(self, pos: torch.Tensor, ok: torch.Tensor, srows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [K] and block indices [K] that a forward's valid positions pos [b, T] write."""
         M = self.table.shape[1]
-        flat = self._srows[:, None] * M + self._qpos // self.block_size  # [b, T]
-        keys = flat[self._valid].unique()  # [K]
+        flat = srows[:, None] * M + pos // self.block_size  # [b, T]
+        keys = flat[ok].unique()  # [K]
         return keys // M, keys % M
 
     def _claim(self, rows: torch.Tensor, idx: torch.Tensor) -> None:
@@ -272,60 +283,55 @@ class PagedCache(KVCache):
         h = torch.arange(self.layout.n_kv_heads)[None, :, None]  # [1, Hkv, 1]
         return (h * self.num_blocks + blocks[:, None]) * self.block_size + offsets[:, None]
 
-    def _write_index(self) -> None:
+    def _write_index(self, pos: torch.Tensor, ok: torch.Tensor, srows: torch.Tensor):
         """Destination rows of the flat pool for every valid (b, t, head), in k.transpose(1, 2)'s
         [B, T, Hkv] order, and the source rows to pick when some positions are padding."""
-        pos, ok = self._qpos, self._valid  # [B, T]
-        blocks = self.table[self._srows].gather(1, pos // self.block_size).clamp(min=0)  # [b, T]
+        blocks = self.table[srows].gather(1, pos // self.block_size).clamp(min=0)  # [b, T]
         dst = self._flat_rows(blocks, pos % self.block_size).transpose(1, 2)  # [B, T, Hkv]
         dev = self.layout.device
         if bool(ok.all()):
-            self._wdst, self._wsrc = dst.reshape(-1).to(dev), None
-        else:
-            src = torch.arange(dst.numel()).view(dst.shape)  # [B, T, Hkv]
-            self._wdst, self._wsrc = dst[ok].reshape(-1).to(dev), src[ok].reshape(-1).to(dev)
+            return dst.reshape(-1).to(dev), None
+        src = torch.arange(dst.numel()).view(dst.shape)  # [B, T, Hkv]
+        return dst[ok].reshape(-1).to(dev), src[ok].reshape(-1).to(dev)
 
-    def _reads(self, window: int | None) -> _Reads:
-        """What the window reads this forward (memoized per window): per row, the key
-        slots from its first visible position to its last valid query; slots that hold
-        nothing get position -1 in the mask."""
-        if window not in self._masks:
-            q, ok = self._qpos, self._valid  # [B, T]
-            lo, hi = self._visible(window)
-            S = int((hi - lo).max()) + 1
-            kpos = lo[:, None] + torch.arange(S)  # [B, S]
-            blocks = self.table[self._srows].gather(1, kpos.clamp(max=self.capacity - 1) // self.block_size)  # [b, S]
-            held = (kpos <= hi[:, None]) & (blocks >= 0)
-            kpos = torch.where(held, kpos, -1)
-            run = self._run(lo, hi) if bool(ok.all()) else None
-            gather = None
-            if run is None:
-                offsets = torch.where(held, kpos % self.block_size, 0)
-                gather = self._flat_rows(torch.where(held, blocks, 0), offsets).reshape(-1).to(self.layout.device)
-            causal = bool(ok.all()) and is_plain_causal(q, kpos, window)
-            mask = None if causal else self._mask(q, kpos, window, ok)
-            self._masks[window] = _Reads(gather, run, S, mask, causal)
-        return self._masks[window]
+    def _reads(self, plan: Plan, srows: torch.Tensor, window: int | None) -> _Reads:
+        """What the window reads in a forward: per row, the key slots from its first visible
+        position to its last valid query; slots that hold nothing get position -1 in the mask."""
+        q, ok = plan.positions, plan.valid  # [B, T]
+        lo, hi = self._visible(q, ok, srows, window)
+        S = int((hi - lo).max()) + 1
+        kpos = lo[:, None] + torch.arange(S)  # [B, S]
+        blocks = self.table[srows].gather(1, kpos.clamp(max=self.capacity - 1) // self.block_size)  # [b, S]
+        held = (kpos <= hi[:, None]) & (blocks >= 0)
+        kpos = torch.where(held, kpos, -1)
+        run = self._run(srows, lo, hi) if bool(ok.all()) else None
+        gather = None
+        if run is None:
+            offsets = torch.where(held, kpos % self.block_size, 0)
+            gather = self._flat_rows(torch.where(held, blocks, 0), offsets).reshape(-1).to(self.layout.device)
+        causal = bool(ok.all()) and is_plain_causal(q, kpos, window)
+        mask = None if causal else self._mask(q, kpos, window, ok)
+        return _Reads(gather, run, S, mask, causal)
 
-    def _visible(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _visible(self, q: torch.Tensor, ok: torch.Tensor, srows: torch.Tensor,
+                 window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row [B], the first position the window shows any valid query and the last
         valid query (a row with none: what it holds)."""
-        q, ok = self._qpos, self._valid  # [B, T]
         hi = torch.where(ok, q, -1).max(1).values  # [B]
         first = torch.where(ok, q, self.capacity).min(1).values
         empty = hi < 0
-        hi = torch.where(empty, (self.lengths[self._srows] - 1).clamp(min=0), hi)
+        hi = torch.where(empty, (self.lengths[srows] - 1).clamp(min=0), hi)
         first = torch.where(empty, hi, first)
         lo = torch.zeros_like(hi) if window is None else (first - window + 1).clamp(min=0)
         return lo, hi
 
-    def _run(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, int] | None:
+    def _run(self, srows: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[int, int, int] | None:
         """For one row whose visible blocks are consecutive pool blocks: (first block,
         blocks, offset of lo in the first), to read as a view; else None."""
-        if len(self._srows) != 1:
+        if len(srows) != 1:
             return None
         first, last = int(lo[0]) // self.block_size, int(hi[0]) // self.block_size
-        ids = self.table[int(self._srows[0]), first:last + 1]  # [nb]
+        ids = self.table[int(srows[0]), first:last + 1]  # [nb]
         if int(ids[0]) < 0 or not bool((ids[1:] - ids[:-1] == 1).all()):
             return None
         return int(ids[0]), last - first + 1, int(lo[0]) % self.block_size
@@ -339,21 +345,21 @@ class PagedCache(KVCache):
             mask = None if bool(mask.all()) else mask
         return None if mask is None else mask.to(self.layout.device)
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, plan: PagedPlan):
         """Write the valid new k, v [B, Hkv, T, D] into the rows' blocks, then attend q
         [B, Hq, T, D] over the gathered keys of the layer's window."""
         D = self.layout.head_dim
         for flat, new in ((self._kflat[layer], k), (self._vflat[layer], v)):
             src = new.transpose(1, 2).reshape(-1, D)  # [B * T * Hkv, D]
-            if self._wsrc is not None:
-                src = src.index_select(0, self._wsrc)
-            flat.index_copy_(0, self._wdst, src)
+            if plan.wsrc is not None:
+                src = src.index_select(0, plan.wsrc)
+            flat.index_copy_(0, plan.wdst, src)
         scale, cap = self.layout.softmax_scale, self.layout.softcap
-        if self._kernel is not None:  # decode-sized: the kernel reads the blocks in place
-            table, qpos, lengths, splits = self._kernel
+        if plan.kernel is not None:  # decode-sized: the kernel reads the blocks in place
+            table, qpos, lengths, splits = plan.kernel
             return paged_attention_triton(q, self._kh[layer], self._vh[layer], table, qpos, lengths, scale,
                                           self.layout.windows[layer], cap, splits)
-        r = self._reads(self.layout.windows[layer])
+        r = plan.reads[self.layout.windows[layer]]
         if r.causal:  # the keys are exactly the new tokens
             return reference_attention(q, k, v, None, scale, cap, causal=True)
         return reference_attention(q, *self._keys(layer, r), r.mask, scale, cap)
@@ -366,7 +372,7 @@ class PagedCache(KVCache):
             a, nb, off = r.run  # [Hkv, nb, bs, D] -> [1, Hkv, S, D] without a copy
             return tuple(t[:, a:a + nb].reshape(Hkv, -1, D)[None, :, off:off + r.keys]
                          for t in (self._kh[layer], self._vh[layer]))
-        shape = (len(self._srows), Hkv, r.keys, D)
+        shape = (r.gather.numel() // (Hkv * r.keys), Hkv, r.keys, D)
         return (self._kflat[layer].index_select(0, r.gather).view(shape),
                 self._vflat[layer].index_select(0, r.gather).view(shape))
 
@@ -464,16 +470,16 @@ class PagedCache(KVCache):
     # -- capabilities (cache/base.py) ----------------------------------------------
     def static_view(self) -> StaticView:
         """The heads-major pools as they are and a device copy of the block table, which
-        `refresh` updates from the host table after each `prepare` allocated blocks."""
+        `refresh` updates from the host table after each `plan` allocated blocks."""
         table = self.table.to(self.layout.device, torch.int32)  # [B, M]
         return StaticView(list(self._kh), list(self._vh), table, self.block_size, self.table)
 
     def fill_random(self, n_tokens: int, seed: int = 0) -> None:
-        """Forget every row, then give each positions [0, n_tokens): `prepare` allocates
+        """Forget every row, then give each positions [0, n_tokens): `plan` allocates
         their blocks and those blocks are drawn directly (no attention runs); blocks no row
         maps keep their content and any prefix they cache."""
         self.reset()
-        self.prepare(torch.arange(n_tokens).expand(self.batch_size, -1))
+        self.plan(torch.arange(n_tokens).expand(self.batch_size, -1))
         blocks = self.table[self.table >= 0].unique().to(self.layout.device)  # [nb]
         g = torch.Generator(device=self.layout.device).manual_seed(seed)
         lay = self.layout

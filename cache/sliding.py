@@ -11,7 +11,7 @@ On a model with its own windows (Gemma 3's local layers) results are exact. On a
 model with none, the `window` option imposes one on every layer (StreamingLLM style,
 with `sinks`): an approximation, declared by `approximate` and `label`.
 
-Per forward, `prepare` decides how the ring layers write:
+Per forward, `plan` decides how the ring layers write:
 - write first (every token valid and each row spanning <= rollback + 1 positions:
   decode and speculative verification): write the new K/V, then read the ring alone,
   which then still holds every key the earliest query needs;
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decodelab.cache.base import CacheLayout, KVCache, attention_mask, is_plain_causal, reference_attention
-from decodelab.cache.dense import DenseCache
+from decodelab.cache.base import CacheLayout, KVCache, attention_mask, extend, is_plain_causal, reference_attention
+from decodelab.cache.dense import DenseCache, DensePlan
 from decodelab.models.errors import SetupError, raise_if
 
 
@@ -109,9 +109,9 @@ def ring_slot(pos: torch.Tensor, ring: int, sinks: int) -> torch.Tensor:
     return torch.where(pos < sinks, pos, sinks + (pos - sinks) % ring)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RingPlan:
-    """How one ring size's layers write in the current forward."""
+    """How one ring size's layers write in a forward."""
 
     rows: torch.Tensor  # [N] row of each token written (device)
     cols: torch.Tensor  # [N] its index t in the forward (device)
@@ -119,9 +119,9 @@ class RingPlan:
     was_empty: bool  # the ring held nothing before this forward
 
 
-@dataclass
+@dataclass(frozen=True)
 class RingRead:
-    """Keys one (ring, window) pair's layers read in the current forward: S keys per row,
+    """Keys one (ring, window) pair's layers read in a forward: S keys per row,
     in position order, taken from a source [B, Hkv, N, D] (the ring, the new K/V, or
     their concatenation along dim 2)."""
 
@@ -131,6 +131,16 @@ class RingRead:
     gather: torch.Tensor | None  # [B * Hkv * S] rows of the flattened source (device)
     mask: torch.Tensor | None  # [B, 1, T, S] (device), None: all True or causal
     causal: bool  # the square lower triangle over the new K/V (SDPA's is_causal)
+
+
+@dataclass(frozen=True)
+class SlidingPlan(DensePlan):
+    """A sliding forward: dense's plan for the full layers, and per ring how it writes and
+    per (ring, window) what it reads."""
+
+    write_first: bool  # ring layers write the new K/V before reading (decode, verification)
+    rings: dict  # ring size -> RingPlan
+    ring_reads: dict  # (ring size, window) -> RingRead
 
 
 class SlidingCache(DenseCache):
@@ -192,20 +202,26 @@ class SlidingCache(DenseCache):
         return self._windows[layer]
 
     # -- called by the model ---------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> None:
-        """Start a forward: plan each ring's writes and the keys its layers read."""
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> SlidingPlan:
+        """Book a forward: advance each ring's slot positions and plan its writes and the
+        keys its layers read (dense's plan for the full layers)."""
         before = self.lengths
-        super().prepare(positions, valid, rows)
-        pos, ok = self._qpos, self._valid  # [B, T] each
+        base = super().plan(positions, valid, rows)
+        pos, ok = base.positions, base.valid  # [B, T] each
         first = torch.where(ok, pos, self.capacity).min(1).values  # [B] a row replaces what it held from here
         last = torch.where(ok, pos, -1).max(1).values  # [B]
         self._refuse_rewind(first, before)
         self._high = torch.maximum(self._high, self.lengths)
         span = int((pos.max(1).values - pos.min(1).values).max())
-        self._write_first = bool(ok.all()) and span <= self.rollback
-        self._plans = {r: self._plan(sp, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
+        write_first = bool(ok.all()) and span <= self.rollback
+        rings = {r: self._ring_plan(sp, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
         pairs = {(r, w) for r, w in zip(self._rings, self._windows) if r is not None}
-        self._reads = {(r, w): self._read(r, w) for r, w in sorted(pairs)}
+        reads = {(r, w): self._read(pos, r, w, write_first, rings[r].was_empty) for r, w in sorted(pairs)}
+        return extend(base, SlidingPlan, write_first=write_first, rings=rings, ring_reads=reads)
+
+    def _dense_windows(self) -> set:
+        """Only the layers without a ring attend densely (window None)."""
+        return {None} if any(r is None for r in self._rings) else set()
 
     def _refuse_rewind(self, first: torch.Tensor, before: torch.Tensor) -> None:
         """A forward may start at most `rollback` below the furthest length a row has
@@ -216,7 +232,7 @@ class SlidingCache(DenseCache):
                              f"({self.rollback_limit}) tokens below the furthest lengths written "
                              f"{self._high.tolist()}: the ring has overwritten keys it would need")
 
-    def _plan(self, sp: torch.Tensor, ring: int, pos, ok, first, last) -> RingPlan:
+    def _ring_plan(self, sp: torch.Tensor, ring: int, pos, ok, first, last) -> RingPlan:
         """Update one ring's slot positions for this forward and plan its writes."""
         sp.masked_fill_(sp >= first[:, None], -1)
         was_empty = bool((sp < 0).all())
@@ -228,11 +244,11 @@ class SlidingCache(DenseCache):
         dev = self.layout.device
         return RingPlan(rows.to(dev), cols.to(dev), slots.to(dev), was_empty)
 
-    def _read(self, ring: int, window: int) -> RingRead:
-        """The keys a (ring, window) pair reads this forward: dense's span [lo, hi) (after
-        the sinks below lo), each position taken from the new K/V when this forward feeds
-        it, else from its ring slot; dense's mask, or its causal fast path."""
-        q, B, T = self._qpos, self.batch_size, self._qpos.shape[1]
+    def _read(self, q: torch.Tensor, ring: int, window: int, write_first: bool, was_empty: bool) -> RingRead:
+        """The keys a (ring, window) pair reads in a forward of queries q [B, T]: dense's
+        span [lo, hi) (after the sinks below lo), each position taken from the new K/V when
+        this forward feeds it, else from its ring slot; dense's mask, or its causal fast path."""
+        B, T = self.batch_size, q.shape[1]
         lo, hi = max(0, int(q.min()) - window + 1), int(q.max()) + 1
         lead = min(self.sink_tokens, lo)  # sinks below the span
         kpos = torch.cat([torch.arange(lead), torch.arange(lo, hi)]).expand(B, -1)  # [B, S]
@@ -242,12 +258,12 @@ class SlidingCache(DenseCache):
         mask = window_mask(q, kpos, window, self.sink_tokens)
         slots = ring_slot(kpos, ring, self.sink_tokens)  # [B, S]
         held = self.slot_pos[ring].shape[1]  # sinks + ring slots
-        if self._write_first:  # the ring already holds the new tokens
+        if write_first:  # the ring already holds the new tokens
             source, index, n = "ring", slots, held
         else:  # t of the new token at each key position, -1 = none
             fed = torch.full((B, S), -1, dtype=torch.long)
             fed.scatter_(1, q - lo + lead, torch.arange(T).expand(B, -1))
-            if self._plans[ring].was_empty:  # nothing to read in the ring: unheld keys read any new one
+            if was_empty:  # nothing to read in the ring: unheld keys read any new one
                 source, index, n = "new", fed.clamp(min=0), T
             else:
                 source, index, n = "both", torch.where(fed >= 0, held + fed, slots), held + T
@@ -276,20 +292,20 @@ class SlidingCache(DenseCache):
         B, H, _, D = src.shape
         return src.reshape(-1, D).index_select(0, r.gather).view(B, H, r.keys, D)
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, plan: SlidingPlan):
         """Store k, v [B, Hkv, T, D] and return attention of q [B, Hq, T, D] over the
         row's visible keys (ring layers: dense's span, gathered from the ring and k, v)."""
         ring = self._rings[layer]
         if ring is None:
-            return super().attend(layer, q, k, v)
-        plan, r = self._plans[ring], self._reads[ring, self._windows[layer]]
-        if self._write_first:
-            self._ring_write(layer, plan, k, v)
+            return super().attend(layer, q, k, v, plan)
+        writes, r = plan.rings[ring], plan.ring_reads[ring, self._windows[layer]]
+        if plan.write_first:
+            self._ring_write(layer, writes, k, v)
         keys, values = self._keys(r, layer, k, self.k[layer]), self._keys(r, layer, v, self.v[layer])
         out = reference_attention(q, keys, values, r.mask, self.layout.softmax_scale, self.layout.softcap,
                                   r.causal)
-        if not self._write_first:
-            self._ring_write(layer, plan, k, v)
+        if not plan.write_first:
+            self._ring_write(layer, writes, k, v)
         return out
 
     def read(self, layer, row):
@@ -345,7 +361,7 @@ class SlidingCache(DenseCache):
         spans = [(0, self.sink_tokens)] if start and self.sink_tokens else []
         spans += [(s, min(s + 256, n_tokens)) for s in range(start, n_tokens, 256)]
         for lo, hi in spans:
-            self.prepare(torch.arange(lo, hi).expand(self.batch_size, -1))
+            self.plan(torch.arange(lo, hi).expand(self.batch_size, -1))
         g = torch.Generator(device=self.layout.device).manual_seed(seed)
         for t in self.k + self.v:  # [B, Hkv, slots, D]
             t.normal_(generator=g)

@@ -8,10 +8,10 @@ torch.compile'd (inductor) as one graph and called each step (`generate(compile=
 (norms, RoPE, residuals, the MLP's gate) that the eager forward runs one by one, and the
 quantized projections' bf16 casts with them.
 
-Why a separate path: the caches' own `prepare` / `attend` plan every forward on the host
+Why a separate path: the caches' own `plan` / `attend` plan every forward on the host
 (Python ints, key spans that grow with the context). That is right for the reference,
 but a graph replays fixed device work. So the host still does the bookkeeping that must
-happen, `cache.prepare` (lengths, the paged block allocation), before each step; inside
+happen, `cache.plan` (lengths, the paged block allocation), before each step; inside
 the graph `StaticAttention` stands in for the cache: it writes the new K/V at device-side
 positions and attends over storage of fixed shape, the whole capacity, masked by each
 row's length (on a CPU, a dense fp32 cache: a native kernel that reads only the slots each
@@ -97,7 +97,7 @@ class StaticAttention:
         self.off = torch.zeros(B, tokens, dtype=torch.long, device=dev)
 
     def refresh(self) -> None:
-        """Host -> device: the block table after `cache.prepare` allocated blocks."""
+        """Host -> device: the block table after `cache.plan` allocated blocks."""
         self.storage.refresh()
 
     def begin(self) -> None:
@@ -111,10 +111,11 @@ class StaticAttention:
         self.blk.copy_(self.storage.table.gather(1, pos // bs))  # [B, T]
         self.off.copy_(pos % bs)  # [B, T]
 
-    def prepare(self, positions, valid=None) -> None:
-        """Nothing: the host bookkeeping ran in `cache.prepare` before the step."""
+    def plan(self, positions, valid=None, rows=None) -> None:
+        """Nothing: the host bookkeeping ran in `cache.plan` before the step, and the
+        step's device-side plan is this object's own fixed buffers (`begin`)."""
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, plan=None):
         """Write k, v [B, Hkv, T, D] at each row's positions; attend q [B, Hq, T, D]."""
         if not self.traced:
             return self._attend_opaque(layer, q, k, v)
@@ -232,7 +233,7 @@ class StaticDecoder:
         """Feed last [B] (ids [B, T] with `tokens` T) at each row's next positions (from the
         cache's lengths); logits [B, V] ([B, T, V])."""
         pos = self.cache.lengths[:, None] + torch.arange(self.tokens)  # [B, T] host
-        self.cache.prepare(pos)  # host bookkeeping: lengths, blocks (no attention runs here)
+        self.cache.plan(pos)  # host bookkeeping: lengths, blocks (no attention runs here)
         self.view.refresh()
         self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)
         self.view.pos.copy_(pos, non_blocking=True)

@@ -16,8 +16,8 @@ the running requests (the exceptions are at the end of this paragraph):
   `chunked_prefill: false` feeds a prompt in one go.
 The norms, projections, MLP and head run once over all the step's tokens (the weights are
 read once: a chunk riding in a decode step costs its tokens' compute, not another pass
-over the weights), and each segment attends on its own (the cache prepares each and
-switches between them per layer), so a decode row never computes a chunk's queries. A
+over the weights), and each segment attends on its own (the cache plans each, and each
+layer attends every segment through its own plan), so a decode row never computes a chunk's queries. A
 step without decode rows (`prefill-first`) runs its chunks the same way, all of them in
 one forward (one read of the weights: on a 2-core CPU the ShareGPT prefill of 32 requests
 took 8.5-8.8 s against 9.9-10.7 s with a forward per chunk); a speculative decoder runs

@@ -189,16 +189,16 @@ def attention_entry(rep, plan, name, shape, batch, ctx, copy_gbps) -> None:
         cache.fill_random(ctx)
         for impl in cache_impls:
             cache.impl = impl
-            cache.prepare(pos)
-            add(label, cache, impl, lambda: cache.attend(0, q, k, v))
+            step = cache.plan(pos)
+            add(label, cache, impl, lambda: cache.attend(0, q, k, v, step))
     c = QuantizedCache(layout, batch, ctx + 1, impl=impls[-1], **plan["int4"])
     c.fill_random(ctx)
-    c.prepare(pos)
-    c.attend(0, q, k, v)  # stores this step's token; `attention` then only reads
-    ref = lambda: c.attention(0, q, impl="reference")  # noqa: E731
+    step = c.plan(pos)
+    c.attend(0, q, k, v, step)  # stores this step's token; `attention` then only reads
+    ref = lambda: c.attention(0, q, step, impl="reference")  # noqa: E731
     add("QuantizedCache", c, "reference", ref)
     if "triton" in impls:
-        tri = lambda: c.attention(0, q, impl="triton")  # noqa: E731
+        tri = lambda: c.attention(0, q, step, impl="triton")  # noqa: E731
         err = (tri().float() - ref().float()).abs().max().item()
         add("QuantizedCache", c, "triton", tri, max_abs_err_vs_reference=err)
 

@@ -1,8 +1,9 @@
 """One compact decoder-only transformer for the Llama family and Gemma 3 text.
 
-Attention reads and writes K/V only through the cache: `cache.prepare(positions, valid)`
-once per forward, then `cache.attend(layer, q, k, v)` in every layer; the cache owns the
-storage layout and the attention kernel that reads it.
+Attention reads and writes K/V only through the cache: `plan = cache.plan(positions,
+valid)` once per forward (the forward's attention metadata, a value), then
+`cache.attend(layer, q, k, v, plan)` in every layer; the cache owns the storage layout and
+the attention kernel that reads it.
 Positions are always explicit.
 """
 
@@ -134,22 +135,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope, cache, packed: Packed | None = None, states=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache, plan, packed: Packed | None = None) -> torch.Tensor:
         """x [B, T, dim] (or its valid tokens [N, dim] with `packed`) -> the same shape. With
-        several segments (`states`: the cache's forward state of each, `rope`: one per
-        segment), each segment attends on its own (`cache.resume_forward`)."""
+        several segments (`plan` and `rope`: a list, one per segment), each segment attends
+        on its own, through its own plan."""
         qkv = self.wqkv(x)
         if packed is None:
-            return self.wo(self._attend(qkv, rope, cache))
-        if states is None:
-            return self.wo(packed.pack(self._attend(packed.unpack(qkv), rope, cache)))
-        outs = []
-        for s, state in enumerate(states):
-            cache.resume_forward(state)
-            outs.append(packed.pack_one(self._attend(packed.unpack(qkv, s), rope[s], cache), s))
+            return self.wo(self._attend(qkv, rope, cache, plan))
+        if not isinstance(plan, list):
+            return self.wo(packed.pack(self._attend(packed.unpack(qkv), rope, cache, plan)))
+        outs = [packed.pack_one(self._attend(packed.unpack(qkv, s), rope[s], cache, p), s) for s, p in enumerate(plan)]
         return self.wo(torch.cat(outs))
 
-    def _attend(self, qkv: torch.Tensor, rope: tuple, cache) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, rope: tuple, cache, plan) -> torch.Tensor:
         """qkv [B, T, q + 2 kv] -> attention output [B, T, Hq * D] (K/V stored by the cache)."""
         B, T, _ = qkv.shape
         D = self.cfg.head_dim
@@ -160,7 +158,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return cache.attend(self.layer, q, k, v).transpose(1, 2).reshape(B, T, self.q_size)  # [B, T, Hq * D]
+        return cache.attend(self.layer, q, k, v, plan).transpose(1, 2).reshape(B, T, self.q_size)  # [B, T, Hq * D]
 
 
 class MLP(nn.Module):
@@ -189,8 +187,8 @@ class Block(nn.Module):
         self.attn_post_norm = norm() if cfg.sandwich_norm else None
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
-    def forward(self, x, rope, cache, packed: Packed | None = None, states=None):
-        h = self.attn(self.attn_norm(x), rope, cache, packed, states)
+    def forward(self, x, rope, cache, plan, packed: Packed | None = None):
+        h = self.attn(self.attn_norm(x), rope, cache, plan, packed)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
@@ -235,12 +233,11 @@ class Transformer(nn.Module):
         logit_index: torch.Tensor | None = None,  # [B, K]: compute logits only at these t
         n_layers: int | None = None,  # run only the first n layers (early-exit self-draft)
         rows: list[int] | None = None,  # [B] the cache rows these rows are (None: all, in order)
+        plan=None,  # the forward's attention plan, when the caller made it (None: cache.plan(...) here)
     ) -> torch.Tensor:
         """Logits [B, T, V] (or [B, K, V] with `logit_index`)."""
-        if rows is None:
-            cache.prepare(positions, valid)
-        else:
-            cache.prepare(positions, valid, rows=rows)
+        if plan is None:
+            plan = cache.plan(positions, valid) if rows is None else cache.plan(positions, valid, rows=rows)
         # the position-wise work runs on the valid tokens only: on a CPU whenever there is
         # padding (compute-bound: a serving engine's decode step with idle rows among its
         # rows, prompts of different lengths), elsewhere when at least half is padding
@@ -254,7 +251,7 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
         for layer, block in enumerate(self.layers[:n_layers]):
-            x = block(x, ropes[self._rope_keys[layer]], cache, packed)
+            x = block(x, ropes[self._rope_keys[layer]], cache, plan, packed)
         if logit_index is not None:
             x = x if packed is None else packed.unpack(x)
             x = x.gather(1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
@@ -266,9 +263,9 @@ class Transformer(nn.Module):
         """One forward over several padded batches of distinct cache rows (a serving
         engine's decode rows and the prefill chunks of other rows, each a `Segment` of its
         own shape): the position-wise work runs once on all their valid tokens, so the
-        weights are read once, and each segment attends on its own (the cache prepares
-        every segment, then `resume_forward`s each in every layer), so a one-token decode
-        row never computes a chunk's queries. Logits per segment, as `forward` returns them
+        weights are read once, and each segment attends on its own (the cache plans every
+        segment, and each attends through its own plan in every layer), so a one-token
+        decode row never computes a chunk's queries. Logits per segment, as `forward` returns them
         for that segment alone ([B, K, V] with its `logit_index`, else [B, T, V], zeros at
         padding); equal to running the segments one by one up to float rounding (the
         products see a different number of rows)."""
@@ -277,7 +274,7 @@ class Transformer(nn.Module):
             return [self.forward(s.ids, s.positions, cache, s.valid, s.logit_index, n_layers, s.rows)]
         valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
                   for s in segments]
-        states = self._prepare_segments(cache, segments)
+        plans = self._plan_segments(cache, segments)
         packed = Packed(valids)
         x = self.embed(packed.pack([s.ids for s in segments]))  # [N, dim]
         if self.cfg.embed_scale != 1.0:
@@ -286,7 +283,7 @@ class Transformer(nn.Module):
                  for s in segments]
         for layer, block in enumerate(self.layers[:n_layers]):
             key = self._rope_keys[layer]
-            x = block(x, [r[key] for r in ropes], cache, packed, states)
+            x = block(x, [r[key] for r in ropes], cache, plans, packed)
         # the head once, on the rows every segment asks for
         picked, shapes = [], []
         for i, s in enumerate(segments):
@@ -308,26 +305,25 @@ class Transformer(nn.Module):
         return out
 
     @staticmethod
-    def _prepare_segments(cache, segments: list[Segment]) -> list[dict]:
-        """`cache.prepare` every segment (each on its own rows) and keep its forward state.
-        A segment the cache refuses (a paged pool out of blocks) rolls the earlier ones back
-        (`truncate`), so the refused forward leaves the rows as they were."""
+    def _plan_segments(cache, segments: list[Segment]) -> list:
+        """`cache.plan` every segment (each on its own rows): one plan each. A segment the
+        cache refuses (a paged pool out of blocks) rolls the earlier ones back (`truncate`),
+        so the refused forward leaves the rows as they were."""
         rows = [list(s.rows) if s.rows is not None else None for s in segments]
         if any(r is None for r in rows):
             raise SetupError("every segment of a forward over several segments names its cache rows (Segment.rows)")
         flat = [r for rs in rows for r in rs]
         if len(set(flat)) != len(flat):
             raise SetupError(f"segments share cache rows ({rows}): each row can take part in one segment of a forward")
-        before, states = cache.lengths.clone(), []
+        before, plans = cache.lengths.clone(), []
         for s, r in zip(segments, rows):
             try:
-                cache.prepare(s.positions, s.valid, rows=r)
+                plans.append(cache.plan(s.positions, s.valid, rows=r))
             except SetupError:
-                if states:
+                if plans:
                     cache.truncate(torch.minimum(cache.lengths, before))
                 raise
-            states.append(cache.forward_state())
-        return states
+        return plans
 
     def inv_freq(self, rope, device: torch.device) -> torch.Tensor:
         """float32 inverse frequencies [head_dim / 2] of one RoPE on one device (memoized)."""

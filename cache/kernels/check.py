@@ -87,12 +87,12 @@ def int4_case(device, dtype, B=2, Hq=4, Hkv=2, D=32, lengths=(100, 150), T=1, wi
     c = QuantizedCache(layout, B, max(lengths) + T, impl="reference", **opts)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     pos = torch.arange(max(lengths)).expand(B, -1)
-    c.prepare(pos, pos < torch.tensor(lengths)[:, None])  # right-padded prompt
-    c.attend(0, rand(B, Hq, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D))
-    c.prepare(c.lengths[:, None] + torch.arange(T))  # the decode / verification forward
+    plan = c.plan(pos, pos < torch.tensor(lengths)[:, None])  # right-padded prompt
+    c.attend(0, rand(B, Hq, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D), rand(B, Hkv, pos.shape[1], D), plan)
+    plan = c.plan(c.lengths[:, None] + torch.arange(T))  # the decode / verification forward
     q = rand(B, Hq, T, D)
-    c.attend(0, q, rand(B, Hkv, T, D), rand(B, Hkv, T, D))  # stores it (and runs the cache's reference)
-    args = (q, c.kernel_rows(0), *c.kernel_queries(), D**-0.5, window, softcap, splits)
+    c.attend(0, q, rand(B, Hkv, T, D), rand(B, Hkv, T, D), plan)  # stores it (and runs the cache's reference)
+    args = (q, c.kernel_rows(0, plan), *c.kernel_queries(plan), D**-0.5, window, softcap, splits)
     return int4_attention_triton(*args), int4_attention_reference(*args)
 
 
@@ -119,8 +119,8 @@ def cache_case(device, dtype, backend="paged", windows=(None, 7), T=3, seed=0, *
         qkv = [(rand(B, Hq, positions.shape[1], D), rand(B, Hkv, positions.shape[1], D),
                 rand(B, Hkv, positions.shape[1], D)) for _ in windows]
         for c, sink in zip(caches, (got, want)):
-            c.prepare(positions, valid)
-            outs = [c.attend(layer, *qkv[layer]) for layer in range(len(windows))]
+            plan = c.plan(positions, valid)
+            outs = [c.attend(layer, *qkv[layer], plan) for layer in range(len(windows))]
             if keep:
                 sink.append(torch.stack(outs))
     pos = torch.arange(50).expand(B, -1)

@@ -53,7 +53,7 @@ class History:
         g = torch.Generator().manual_seed(seed)
         B, T = positions.shape
         valid = torch.ones(B, T, dtype=torch.bool) if valid is None else valid
-        self.cache.prepare(positions, valid)
+        plan = self.cache.plan(positions, valid)
         results = []
         for layer in range(self.cache.layout.n_layers):
             q = torch.randn(B, H_Q, T, D, generator=g)
@@ -62,7 +62,7 @@ class History:
                 for t in range(T):
                     if valid[b, t]:
                         self.kv[layer, b, int(positions[b, t])] = (k[b, :, t], v[b, :, t])
-            results.append((q, self.cache.attend(layer, q, k, v)))
+            results.append((q, self.cache.attend(layer, q, k, v, plan)))
         return results
 
     def forget_after(self, lengths):

@@ -95,7 +95,7 @@ def test_static_view_writes_land_in_the_cache(backend):
     if backend in REFUSALS:
         pytest.skip("no static view")
     c = filled(backend)
-    c.prepare(torch.full((2, 1), N))  # books position N (paged: allocates its block)
+    c.plan(torch.full((2, 1), N))  # books position N (paged: allocates its block)
     view = c.static_view()
     view.refresh()
     bs, new = view.block_size, torch.randn(H_KV, D)

@@ -15,17 +15,17 @@ def layout(n_layers=2, n_kv=2, head_dim=2, windows=None, dtype=torch.float32):
                        softmax_scale=head_dim**-0.5)
 
 
-def feed(cache, layer, n_q, k, v):
+def feed(cache, layer, n_q, k, v, plan):
     q = torch.randn(k.shape[0], n_q, k.shape[2], k.shape[3])
-    return q, cache.attend(layer, q, k, v)
+    return q, cache.attend(layer, q, k, v, plan)
 
 
 def test_design_worked_bytes():
     # 2 layers, 2 KV heads, head_dim 2, fp32, prompt of 2 tokens -> 32 numbers, 128 bytes
     c = DenseCache(layout(), batch_size=1, capacity=8)
-    c.prepare(torch.arange(2)[None])
+    c.plan(torch.arange(2)[None])
     assert c.theoretical_bytes() == 128
-    c.prepare(torch.tensor([[2]]))  # each new token adds 64 bytes
+    c.plan(torch.tensor([[2]]))  # each new token adds 64 bytes
     assert c.theoretical_bytes() == 192
     assert c.nbytes() == 2 * 2 * 2 * 8 * 2 * 4  # K and V, layers, heads, capacity, dim, fp32
     assert layout(dtype=torch.bfloat16).bytes_per_token() == 32
@@ -35,8 +35,8 @@ def test_write_then_read_back():
     c = DenseCache(layout(n_layers=1), 2, 10)
     k, v = torch.randn(2, 2, 4, 2), torch.randn(2, 2, 4, 2)
     pos = torch.arange(3, 7).expand(2, -1)
-    c.prepare(pos)
-    feed(c, 0, 2, k, v)
+    plan = c.plan(pos)
+    feed(c, 0, 2, k, v, plan)
     torch.testing.assert_close(c.k[0][:, :, 3:7], k, rtol=0, atol=0)
     torch.testing.assert_close(c.v[0][:, :, 3:7], v, rtol=0, atol=0)
     assert c.lengths.tolist() == [7, 7]
@@ -66,13 +66,13 @@ def test_attention_matches_plain_reference(window, q_len):
     c = DenseCache(lay, 2, 16)
     # row 0 has 6 tokens cached, row 1 has 9 (mixed lengths); then q_len new ones each
     hist_k, hist_v = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
-    c.prepare(torch.arange(9).expand(2, -1), valid=torch.arange(9)[None] < torch.tensor([[6], [9]]))
-    c.attend(0, torch.randn(2, 4, 9, 8), hist_k, hist_v)
+    plan = c.plan(torch.arange(9).expand(2, -1), valid=torch.arange(9)[None] < torch.tensor([[6], [9]]))
+    c.attend(0, torch.randn(2, 4, 9, 8), hist_k, hist_v, plan)
     assert c.lengths.tolist() == [6, 9]
     pos = c.lengths[:, None] + torch.arange(q_len)  # [B, T]
     k, v = torch.randn(2, 2, q_len, 8), torch.randn(2, 2, q_len, 8)
-    c.prepare(pos)
-    q, out = feed(c, 0, 4, k, v)
+    plan = c.plan(pos)
+    q, out = feed(c, 0, 4, k, v, plan)
     all_k, all_v = c.k[0], c.v[0]
     kpos = torch.arange(16).expand(2, -1)
     expect = plain_attention(q, all_k, all_v, pos, kpos, window, lay.softmax_scale)
@@ -101,20 +101,20 @@ def test_softcap_gqa_attention_by_hand():
 def test_truncate_then_continue_overwrites():
     c = DenseCache(layout(n_layers=1), 1, 10)
     pos = torch.arange(6)[None]
-    c.prepare(pos)
-    feed(c, 0, 2, torch.randn(1, 2, 6, 2), torch.randn(1, 2, 6, 2))
+    plan = c.plan(pos)
+    feed(c, 0, 2, torch.randn(1, 2, 6, 2), torch.randn(1, 2, 6, 2), plan)
     c.truncate([4])
     assert c.lengths.tolist() == [4]
     new_k = torch.randn(1, 2, 1, 2)
-    c.prepare(torch.tensor([[4]]))
-    feed(c, 0, 2, new_k, new_k)
+    plan = c.plan(torch.tensor([[4]]))
+    feed(c, 0, 2, new_k, new_k, plan)
     assert c.lengths.tolist() == [5]
     torch.testing.assert_close(c.k[0][:, :, 4:5], new_k, rtol=0, atol=0)
 
 
 def test_truncate_forward_and_reset():
     c = DenseCache(layout(), 2, 10)
-    c.prepare(torch.arange(3).expand(2, -1))
+    c.plan(torch.arange(3).expand(2, -1))
     with pytest.raises(SetupError, match="roll back"):
         c.truncate([4, 1])
     c.reset()
@@ -124,9 +124,9 @@ def test_truncate_forward_and_reset():
 def test_capacity_and_batch_errors():
     c = DenseCache(layout(), 1, 4)
     with pytest.raises(SetupError, match="does not fit"):
-        c.prepare(torch.arange(5)[None])
+        c.plan(torch.arange(5)[None])
     with pytest.raises(SetupError, match="batch"):
-        c.prepare(torch.arange(2).expand(2, -1))
+        c.plan(torch.arange(2).expand(2, -1))
     with pytest.raises(SetupError) as e:
         DenseCache(layout(), 0, 0)
     assert len(e.value.reasons) == 2

@@ -36,9 +36,9 @@ def layout(n_layers=1, n_kv=2, head_dim=64, windows=None, dtype=torch.float32):
 def fill(cache, k, v, positions, valid=None):
     """One forward through every layer with the same k, v [B, H, T, D]; returns outputs."""
     B, H, T, D = k.shape
-    cache.prepare(positions, valid)
+    plan = cache.plan(positions, valid)
     q = torch.randn(B, 2 * H, T, D)
-    return [cache.attend(layer, q, k, v) for layer in range(cache.layout.n_layers)]
+    return [cache.attend(layer, q, k, v, plan) for layer in range(cache.layout.n_layers)]
 
 
 def columns(t: torch.Tensor, g: Grouping) -> torch.Tensor:
@@ -212,9 +212,9 @@ def run_schedule(c, K, V, Q, pattern):
         k, v, q = (torch.randn(h, t, D, generator=g) for h in (H, H, Q.shape[0]))
         k[:, :keep], v[:, :keep], q[:, :keep] = K[:, L:L + keep], V[:, L:L + keep], Q[:, L:L + keep]
         pos = torch.arange(L, L + t)[None]
-        c.prepare(pos)
+        plan = c.plan(pos)
         for layer in range(c.layout.n_layers):
-            out = c.attend(layer, q[None], k[None], v[None])
+            out = c.attend(layer, q[None], k[None], v[None], plan)
             got.update({(layer, L + j): out[0, :, j] for j in range(keep)})
         c.truncate([L + keep])
     return got
@@ -269,10 +269,10 @@ def test_long_forward_attends_in_query_chunks():
     for chunk in (256, 16):
         c = QuantizedCache(layout(n_layers=2, windows=(8, None)), 2, 80, residual=4, group_size=32, rollback=4)
         c.attention_chunk = chunk
-        c.prepare(pos, valid)
-        outs.append([c.attend(layer, q, k, v) for layer in range(2)])
-        slots.append(sum(view.slots * (view.query_to - view.query_from) for view in c._plan.views[None]))
-        assert len(c._plan.views[None]) == (1 if chunk == 256 else 5)
+        plan = c.plan(pos, valid)
+        outs.append([c.attend(layer, q, k, v, plan) for layer in range(2)])
+        slots.append(sum(view.slots * (view.query_to - view.query_from) for view in plan.views[None]))
+        assert len(plan.views[None]) == (1 if chunk == 256 else 5)
     for layer in range(2):
         got, want = outs[1][layer].transpose(1, 2)[valid], outs[0][layer].transpose(1, 2)[valid]
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -375,7 +375,7 @@ def test_positions_must_continue_each_row():
     c = QuantizedCache(layout(), 1, 100, residual=8, group_size=32)
     fill(c, torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64), torch.arange(5)[None])
     with pytest.raises(SetupError, match="in order"):
-        c.prepare(torch.tensor([[7]]))
+        c.plan(torch.tensor([[7]]))
     assert c.lengths.tolist() == [5]
 
 
@@ -485,13 +485,13 @@ def test_attention_repeats_attend_and_feeds_the_kernel_reference():
     pos = torch.arange(100).expand(2, -1)
     fill(c, torch.randn(2, 2, 100, 64), torch.randn(2, 2, 100, 64), pos, pos < torch.tensor([[70], [100]]))
     q, k, v = torch.randn(2, 4, 3, 64), torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64)
-    c.prepare(c.lengths[:, None] + torch.arange(3))
+    plan = c.plan(c.lengths[:, None] + torch.arange(3))
     for layer in range(2):
-        out = c.attend(layer, q, k, v)
-        assert torch.equal(c.attention(layer, q, impl="reference"), out)
-        rows = c.kernel_rows(layer)
+        out = c.attend(layer, q, k, v, plan)
+        assert torch.equal(c.attention(layer, q, plan, impl="reference"), out)
+        rows = c.kernel_rows(layer, plan)
         assert rows.dequant_to == [64, 64] and rows.exact_to == [73, 103]  # V(72) = V(102) = 64
-        via = int4_attention_reference(q, rows, *c.kernel_queries(), lay.softmax_scale, lay.windows[layer])
+        via = int4_attention_reference(q, rows, *c.kernel_queries(plan), lay.softmax_scale, lay.windows[layer])
         torch.testing.assert_close(via, out, rtol=0, atol=1e-5)
     assert c.lengths.tolist() == [73, 103] and c.key_exact[0][1].shape[1] == 103 - c.exact_span(1)[0]
 
@@ -500,17 +500,15 @@ def test_attention_is_refused_without_its_keys(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     c = QuantizedCache(layout(), 1, 64, residual=4, group_size=32, rollback=0)
     q, k, v = torch.randn(1, 4, 40, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
-    with pytest.raises(SetupError, match="holds no K/V of a prepared forward"):
-        c.attention(0, q)
-    c.prepare(torch.arange(40)[None])
-    with pytest.raises(SetupError, match="holds no K/V of a prepared forward"):  # prepared, not stored yet
-        c.attention(0, q)
-    c.attend(0, q, k, v)
+    plan = c.plan(torch.arange(40)[None])
+    with pytest.raises(SetupError, match="holds no K/V of this planned forward"):  # planned, not stored yet
+        c.attention(0, q, plan)
+    c.attend(0, q, k, v, plan)
     assert c.exact_span(0) == (32, 40)  # rollback 0: the forward's drop keeps what later queries need
     with pytest.raises(SetupError, match=r"positions \[0, 32\) this forward reads were dropped"):
-        c.attention(0, q)
+        c.attention(0, q, plan)
     with pytest.raises(SetupError, match="impl=triton"):
-        c.attention(0, q[:, :, -1:], impl="triton")
+        c.attention(0, q[:, :, -1:], plan, impl="triton")
 
 
 def test_fill_random_leaves_what_a_one_pass_prefill_leaves():

@@ -28,13 +28,13 @@ def layout(n_layers=2, n_kv=2, head_dim=4, windows=None):
 def step(cache, positions: torch.Tensor, valid=None, seed: int = 0) -> list[torch.Tensor]:
     """One forward of random q/k/v through every layer; returns the outputs."""
     g = torch.Generator().manual_seed(seed)
-    cache.prepare(positions, valid)
+    plan = cache.plan(positions, valid)
     lay, (B, T) = cache.layout, positions.shape
     outs = []
     for layer in range(lay.n_layers):
         q = torch.randn(B, 2 * lay.n_kv_heads, T, lay.head_dim, generator=g)
         k, v = (torch.randn(B, lay.n_kv_heads, T, lay.head_dim, generator=g) for _ in range(2))
-        outs.append(cache.attend(layer, q, k, v))
+        outs.append(cache.attend(layer, q, k, v, plan))
     return outs
 
 
@@ -236,7 +236,7 @@ def test_paged_waste_under_4_percent_vs_dense():
     # the live cache reports the same figure
     c = PagedCache(layout(1, 1, 2), batch_size=16, capacity=2000, block_size=16)
     pos = torch.arange(2000).expand(16, -1)
-    c.prepare(pos, pos < torch.tensor(lengths)[:, None])
+    c.plan(pos, pos < torch.tensor(lengths)[:, None])
     assert c.memory_report()["waste_fraction"] == pytest.approx(w["paged_waste_fraction"])
 
 
@@ -251,7 +251,8 @@ def test_consecutive_block_view_equals_gather(windows):
     for c in (view, gathered):
         outs.append([step(c, torch.tensor([[p]]), seed=p) for p in range(13, 22)])
         outs[-1].append(step(c, torch.arange(22, 25)[None], seed=9))
-    assert view._reads(None).gather is None and gathered._reads(None).gather is not None
+    reads = [c.plan(torch.tensor([[25]])).reads[None] for c in (view, gathered)]  # the next step's plans
+    assert reads[0].gather is None and reads[1].gather is not None
     for a, b in zip(*outs):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)

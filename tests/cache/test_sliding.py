@@ -137,9 +137,9 @@ def test_padding_queries_stay_finite_with_softcap():
     layout = CacheLayout(1, 2, 8, torch.float32, torch.device("cpu"), (4,), softmax_scale=0.35, softcap=30.0)
     c = SlidingCache(layout, 2, 64, rollback=2)
     pos = torch.arange(23).expand(2, -1)
-    c.prepare(pos, pos < torch.tensor([[5], [23]]))
+    plan = c.plan(pos, pos < torch.tensor([[5], [23]]))
     q, k = torch.randn(2, 4, 23, 8), torch.randn(2, 2, 23, 8)
-    assert bool(torch.isfinite(c.attend(0, q, k, k)).all())
+    assert bool(torch.isfinite(c.attend(0, q, k, k, plan)).all())
     assert c.read(0, 0)[0].tolist() == list(range(5))  # padding never written
 
 
@@ -185,10 +185,10 @@ class PlainWindowCache(DenseCache):
         super().__init__(layout, batch_size, capacity)
         self.w, self.sinks = window, sinks
 
-    def attend(self, layer, q, k, v):
-        self._write(layer, k, v)
-        qp = self._qpos[:, :, None]  # [B, T, 1]
-        kp = torch.arange(int(self._qpos.max()) + 1)[None, None]  # [1, 1, S]
+    def attend(self, layer, q, k, v, plan):
+        self._write(layer, k, v, plan)
+        qp = plan.positions[:, :, None]  # [B, T, 1]
+        kp = torch.arange(int(plan.positions.max()) + 1)[None, None]  # [1, 1, S]
         ok = (kp <= qp) & ((qp - kp < self.w) | (kp < self.sinks))  # [B, T, S]
         n = kp.shape[-1]
         return reference_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n], ok[:, None],

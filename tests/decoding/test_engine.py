@@ -251,7 +251,7 @@ def test_a_shared_prefix_is_charged_once(tiny_models):
     assert c.held_bytes([0, 1]) == (4 + 1 + 1) * c.block_bytes  # 4 shared blocks, one own block each
     assert c.held_bytes([0]) == 5 * c.block_bytes
     d = cache_for(m, 2, 64)
-    d.prepare(torch.arange(10).expand(2, -1))
+    d.plan(torch.arange(10).expand(2, -1))
     assert d.held_bytes([0, 1]) == 2 * d.row_bytes(10) == 20 * d.layout.bytes_per_token()
 
 
