@@ -113,10 +113,11 @@ def ring_slot(pos: torch.Tensor, ring: int, sinks: int) -> torch.Tensor:
 class RingPlan:
     """How one ring size's layers write in a forward."""
 
-    rows: torch.Tensor  # [N] row of each token written (device)
+    rows: torch.Tensor  # [N] row of the forward of each token written (device)
     cols: torch.Tensor  # [N] its index t in the forward (device)
     slots: torch.Tensor  # [N] its slot (device)
-    was_empty: bool  # the ring held nothing before this forward
+    dst: torch.Tensor  # [N] the cache row it is written to (device)
+    was_empty: bool  # the forward's rows held nothing in the ring before this forward
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,7 @@ class SlidingCache(DenseCache):
 
     approximate: bool = False
     label: str = "sliding"
-    serves_row_subsets = False  # declared on the contract (cache/base.py)
-    row_subset_reason = ("its rings plan every forward's writes and reads for the whole batch on the host; "
-                         "use the dense, paged or int4 backend to serve requests")
+    serves_row_subsets = True  # a row is its own ring slots (and dense rows for full layers)
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, rollback: int = 8,
@@ -210,11 +209,12 @@ class SlidingCache(DenseCache):
         pos, ok = base.positions, base.valid  # [B, T] each
         first = torch.where(ok, pos, self.capacity).min(1).values  # [B] a row replaces what it held from here
         last = torch.where(ok, pos, -1).max(1).values  # [B]
-        self._refuse_rewind(first, before)
+        fed = base.cache_rows(self.batch_size)  # [b] the cache rows of the forward
+        self._refuse_rewind(first, before, fed)
         self._high = torch.maximum(self._high, self.lengths)
         span = int((pos.max(1).values - pos.min(1).values).max())
         write_first = bool(ok.all()) and span <= self.rollback
-        rings = {r: self._ring_plan(sp, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
+        rings = {r: self._ring_plan(sp, fed, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
         pairs = {(r, w) for r, w in zip(self._rings, self._windows) if r is not None}
         reads = {(r, w): self._read(pos, r, w, write_first, rings[r].was_empty) for r, w in sorted(pairs)}
         return extend(base, SlidingPlan, write_first=write_first, rings=rings, ring_reads=reads)
@@ -223,32 +223,35 @@ class SlidingCache(DenseCache):
         """Only the layers without a ring attend densely (window None)."""
         return {None} if any(r is None for r in self._rings) else set()
 
-    def _refuse_rewind(self, first: torch.Tensor, before: torch.Tensor) -> None:
+    def _refuse_rewind(self, first: torch.Tensor, before: torch.Tensor, fed: torch.Tensor) -> None:
         """A forward may start at most `rollback` below the furthest length a row has
         reached: older keys its queries would need are overwritten (lengths restored)."""
-        if bool((self._high - first > self.rollback_limit).any()):
+        if bool((self._high[fed] - first > self.rollback_limit).any()):
             self.lengths = before
             raise SetupError(f"a forward from positions {first.tolist()} rewrites more than rollback_limit "
                              f"({self.rollback_limit}) tokens below the furthest lengths written "
-                             f"{self._high.tolist()}: the ring has overwritten keys it would need")
+                             f"{self._high[fed].tolist()}: the ring has overwritten keys it would need")
 
-    def _ring_plan(self, sp: torch.Tensor, ring: int, pos, ok, first, last) -> RingPlan:
-        """Update one ring's slot positions for this forward and plan its writes."""
-        sp.masked_fill_(sp >= first[:, None], -1)
-        was_empty = bool((sp < 0).all())
+    def _ring_plan(self, sp: torch.Tensor, fed: torch.Tensor, ring: int, pos, ok, first, last) -> RingPlan:
+        """Update one ring's slot positions sp [B, slots] of the forward's rows `fed` [b]
+        and plan its writes."""
+        mine = sp[fed]  # [b, slots]
+        mine.masked_fill_(mine >= first[:, None], -1)
+        was_empty = bool((mine < 0).all())
         # the last R valid tokens of each row (plus its sinks) get distinct slots
-        keep = ok & ((pos < self.sink_tokens) | (pos > last[:, None] - ring))  # [B, T]
+        keep = ok & ((pos < self.sink_tokens) | (pos > last[:, None] - ring))  # [b, T]
         rows, cols = keep.nonzero(as_tuple=True)  # [N] each
         slots = ring_slot(pos[rows, cols], ring, self.sink_tokens)  # [N]
-        sp[rows, slots] = pos[rows, cols]
+        mine[rows, slots] = pos[rows, cols]
+        sp[fed] = mine
         dev = self.layout.device
-        return RingPlan(rows.to(dev), cols.to(dev), slots.to(dev), was_empty)
+        return RingPlan(rows.to(dev), cols.to(dev), slots.to(dev), fed[rows].to(dev), was_empty)
 
     def _read(self, q: torch.Tensor, ring: int, window: int, write_first: bool, was_empty: bool) -> RingRead:
         """The keys a (ring, window) pair reads in a forward of queries q [B, T]: dense's
         span [lo, hi) (after the sinks below lo), each position taken from the new K/V when
         this forward feeds it, else from its ring slot; dense's mask, or its causal fast path."""
-        B, T = self.batch_size, q.shape[1]
+        B, T = q.shape
         lo, hi = max(0, int(q.min()) - window + 1), int(q.max()) + 1
         lead = min(self.sink_tokens, lo)  # sinks below the span
         kpos = torch.cat([torch.arange(lead), torch.arange(lo, hi)]).expand(B, -1)  # [B, S]
@@ -277,9 +280,9 @@ class SlidingCache(DenseCache):
         return RingRead(source, S, start if run else None, gather, dev_mask, False)
 
     def _ring_write(self, layer: int, plan: RingPlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        # [N] rows and slots around a slice: values laid out [N, Hkv, D]
-        self.k[layer][plan.rows, :, plan.slots] = k[plan.rows, :, plan.cols]
-        self.v[layer][plan.rows, :, plan.slots] = v[plan.rows, :, plan.cols]
+        # [N] cache rows and slots around a slice: values laid out [N, Hkv, D]
+        self.k[layer][plan.dst, :, plan.slots] = k[plan.rows, :, plan.cols]
+        self.v[layer][plan.dst, :, plan.slots] = v[plan.rows, :, plan.cols]
 
     def _keys(self, r: RingRead, layer: int, new: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
         """The [B, Hkv, S, D] keys (or values) `r` reads from a layer's ring and new K/V."""
@@ -301,7 +304,8 @@ class SlidingCache(DenseCache):
         writes, r = plan.rings[ring], plan.ring_reads[ring, self._windows[layer]]
         if plan.write_first:
             self._ring_write(layer, writes, k, v)
-        keys, values = self._keys(r, layer, k, self.k[layer]), self._keys(r, layer, v, self.v[layer])
+        keys = self._keys(r, layer, k, self._held(self.k[layer], 0, None, plan))  # the forward's rows' rings
+        values = self._keys(r, layer, v, self._held(self.v[layer], 0, None, plan))
         out = reference_attention(q, keys, values, r.mask, self.layout.softmax_scale, self.layout.softcap,
                                   r.causal)
         if not plan.write_first:
@@ -332,6 +336,19 @@ class SlidingCache(DenseCache):
         super().truncate(new)
         for sp in self.slot_pos.values():
             sp.masked_fill_(sp >= self.lengths[:, None], -1)
+
+    def release(self, row: int) -> None:
+        """Forget one row (its ring slots hold nothing; storage is kept for the next)."""
+        super().release(row)
+        self._high[row] = 0
+        for sp in self.slot_pos.values():
+            sp[row] = -1
+
+    def row_bytes(self, tokens: int) -> int:
+        """K/V bytes a row of `tokens` tokens holds: at most sinks + ring slots in a windowed
+        layer, every token in a full one (`sliding_memory`'s stored bytes)."""
+        per_layer_token = self.layout.bytes_per_token() // self.layout.n_layers
+        return sum(min(tokens, t.shape[2]) for t in self.k) * per_layer_token
 
     def reset(self) -> None:
         """Forget every row (storage is kept for reuse)."""

@@ -50,8 +50,7 @@ drafter starts an admitted request's row over (`admit`: a draft model prefills i
 cache row). The draft model's cache is not charged to the KV budget.
 
 Why the static `generate` (decoding/generate.py) is not a thin call into the engine: it
-serves what the engine does not (the sliding backend, which cannot release one row; stop
-strings and streaming text; chunked prefill of a whole static batch in one forward), and
+serves what the engine does not (stop strings and streaming text; chunked prefill of a whole static batch in one forward), and
 its prefill of a static batch is one padded forward where the engine runs each long
 chunk as a segment of its own, so their logits differ by float summation order. Its
 greedy output is the engine's "all requests at t = 0" output (tests/decoding/test_engine.py

@@ -25,20 +25,28 @@ NEW = 16
 # int4 with blocks of 8 tokens and 8 exact ones, so that these short requests quantize
 INT4 = functools.partial(QuantizedCache, residual=8, flush=8, group_size=32, key_axis="token", value_axis="token",
                          rollback=0)
-SERVING = {"dense": DenseCache, "paged": functools.partial(PagedCache, block_size=4), "int4": INT4}
+# sliding: exact on Gemma's own windows (rings of 16 + 8), full storage on Llama (no windows);
+# sliding-imposed: a 12-token window with 2 sinks on every layer (an approximation: compared with itself alone)
+SLIDING_IMPOSED = functools.partial(SlidingCache, window=12, sinks=2, rollback=4)
+SERVING = {"dense": DenseCache, "paged": functools.partial(PagedCache, block_size=4), "int4": INT4,
+           "sliding": SlidingCache, "sliding-imposed": SLIDING_IMPOSED}
+OWN_REFERENCE = {"int4": INT4, "sliding-imposed": SLIDING_IMPOSED}  # not exact: each request vs itself alone
+ON = {"llama": list(SERVING), "gemma3": [b for b in SERVING if b != "sliding-imposed"]}  # Gemma has windows
 
 
 @pytest.fixture(scope="module")
 def alone(tiny_models):
     """(name, backend) -> (prompts, each prompt's greedy tokens decoded alone by the static
-    loop on that backend: int4 is lossy, so its requests are compared with int4 alone)."""
+    loop: on dense for the exact backends, on the backend itself for int4 (lossy) and an
+    imposed window (an approximation))."""
     out = {}
     for name in ("llama", "gemma3"):
         m = tiny_models[name].model
         prompts = [random_ids(n, m.cfg.vocab_size, seed=n) for n in LENGTHS]
-        dense = [generate(m, cache_for(m, 1, 80), greedy(), [p], NEW).tokens[0] for p in prompts]
-        int4 = [generate(m, cache_for(m, 1, 80, INT4), greedy(), [p], NEW).tokens[0] for p in prompts]
-        out |= {(name, b): (prompts, int4 if b == "int4" else dense) for b in SERVING}
+        for b in ON[name]:
+            own = OWN_REFERENCE.get(b, DenseCache)
+            out[name, b] = (prompts, [generate(m, cache_for(m, 1, 80, own), greedy(), [p], NEW).tokens[0]
+                                      for p in prompts])
     return out
 
 
@@ -48,7 +56,7 @@ def requests(prompts, spread: float = 0.0) -> list[Request]:
             for i, p in enumerate(prompts)]
 
 
-CASES = ([("llama", b, 6, "decode-first") for b in SERVING] + [("gemma3", b, 256, "decode-first") for b in SERVING]
+CASES = ([("llama", b, 6, "decode-first") for b in ON["llama"]] + [("gemma3", b, 256, "decode-first") for b in ON["gemma3"]]
          + [(n, "paged", 8, "prefill-first") for n in ("llama", "gemma3")])
 
 
@@ -195,13 +203,29 @@ def test_bad_engine_options_are_refused(tiny_models, kw, msg):
         Engine(m, cache_for(m, 2, 64), greedy(), **kw)
 
 
-@pytest.mark.parametrize("backend", [SlidingCache])
-def test_backends_that_cannot_release_a_row_refuse_with_the_reason(tiny_models, backend):
+class WholeBatchCache(DenseCache):
+    """A backend that declares it cannot serve a subset of its rows."""
+
+    serves_row_subsets = False
+    row_subset_reason = "its storage is planned for the whole batch at once"
+
+
+def test_backends_that_cannot_release_a_row_refuse_with_the_reason(tiny_models):
     m = tiny_models["llama"].model
-    with pytest.raises(SetupError, match="cannot serve continuous batching"):
-        Engine(m, cache_for(m, 2, 64, backend), greedy())
+    with pytest.raises(SetupError, match="cannot serve continuous batching: .*planned for the whole batch"):
+        Engine(m, cache_for(m, 2, 64, WholeBatchCache), greedy())
     with pytest.raises(SetupError, match="cannot release one row"):
-        cache_for(m, 2, 64, backend).release(0)
+        cache_for(m, 2, 64, WholeBatchCache).release(0)
+
+
+def test_every_backend_serves():
+    """Every backend of conf/cache declares that it serves continuous batching."""
+    from decodelab.cache import backend, backend_names
+
+    for name in backend_names():
+        factory = backend(name)
+        cls = factory.func if isinstance(factory, functools.partial) else factory
+        assert cls.serves_row_subsets, name
 
 
 def test_a_speculative_decoder_needs_a_cache_that_rolls_back(tiny_models):
@@ -230,7 +254,7 @@ def test_a_forward_over_a_subset_of_rows_equals_the_full_batch(tiny_models):
     prompts = [random_ids(n, seed=n) for n in (20, 20, 20)]
     ids = torch.tensor(prompts)
     pos = torch.arange(20).expand(3, -1)
-    for backend in SERVING.values():  # int4 holds these 20 tokens exact and quantized: same bytes either way
+    for backend in (SERVING[b] for b in ON["gemma3"]):  # int4 holds these 20 tokens exact and quantized alike
         full = cache_for(m, 3, 40, backend)
         ref = m(ids, pos, full)[:, -1]
         for rows in ([0, 1], [2, 0]):
@@ -256,7 +280,7 @@ def test_a_shared_prefix_is_charged_once(tiny_models):
 
 
 @pytest.mark.parametrize("draft", ["prompt-lookup", "early-exit"])
-@pytest.mark.parametrize("backend", ["dense", "paged"])
+@pytest.mark.parametrize("backend", ["dense", "paged", "sliding-imposed"])
 def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alone, draft, backend):
     """Greedy speculative decoding inside the engine (arrivals, chunked prefill, a budget
     that preempts): every request's output is the target's greedy output alone."""
@@ -268,8 +292,9 @@ def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alo
     drafter = prompt_lookup() if draft == "prompt-lookup" else early_exit(lm, 1, cache=factory)
     decoder = SpeculativeDecoder(drafter, gamma=3)
     cache = cache_for(lm.model, 3, 80, factory)
-    r = serve(lm.model, cache, decoder, requests(prompts, 0.005), token_budget=16,
-              kv_budget_mb=cache.row_bytes(60) * 1.3 / 2**20)
+    # room for about 1.3 rows of 60 tokens (an imposed window's rows hold at most 18: room for 1.5 of them)
+    budget = cache.row_bytes(18) * 1.5 if backend == "sliding-imposed" else cache.row_bytes(60) * 1.3
+    r = serve(lm.model, cache, decoder, requests(prompts, 0.005), token_budget=16, kv_budget_mb=budget / 2**20)
     assert [x.tokens for x in r.requests] == expected
     assert r.preemptions > 0 and decoder.stats["target_calls"] > 0
     assert decoder.stats["tokens_per_target_call"] > 1.0  # some drafts were accepted

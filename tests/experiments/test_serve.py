@@ -69,7 +69,6 @@ def test_latency_percentiles_interpolate_linearly_as_vllm_does():
 
 @pytest.mark.parametrize("override,msg", [("rates=[0]", "rates must be > 0"), ("token_budget=0", "token_budget"),
                                           ("policy=lifo", "policy must be one of"), ("trace=nope", "trace must be"),
-                                          ("backends=[sliding]", "cannot serve continuous batching"),
                                           ("backends=[nosuch]", "does not exist"),
                                           ("synthetic.prompt_tokens=[9,3]", "synthetic.prompt_tokens")])
 def test_bad_options_are_refused_before_weights_load(override, msg):
