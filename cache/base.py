@@ -58,10 +58,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from decodelab.cache.tree import Tree, build_tree
 from decodelab.models.errors import SetupError
 
 
@@ -97,9 +98,12 @@ class Plan:
     layer's `attend` reads. Backends extend it with what their attention derives from it
     (`extend`); nothing of it is stored on the cache."""
 
-    positions: torch.Tensor  # [B, T] host: position of every new token
+    positions: torch.Tensor  # [B, T] host: the slot (position) every new token is stored at
     valid: torch.Tensor  # [B, T] bool host: False marks padding
     rows: torch.Tensor | None  # [B] host: the cache row of each row of the forward; None: all, in order
+    #: a tree of draft tokens (cache/tree.py): who sees whom and each token's own position;
+    #: None: a plain forward, every token at its slot, causal
+    tree: Tree | None = field(default=None, kw_only=True)
 
     def cache_rows(self, batch_size: int) -> torch.Tensor:
         """[B] the cache row of each row of the forward."""
@@ -212,13 +216,24 @@ class KVCache:
 
     # -- called by the model -------------------------------------------------------
     def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None,
-             rows: list[int] | torch.Tensor | None = None) -> Plan:
+             rows: list[int] | torch.Tensor | None = None, parents=None) -> Plan:
         """Book a forward over positions [B, T] (or [b, T] of the cache `rows` [b]; `valid`
         False marks padding) and return its `Plan`. Each row's length becomes its last
         valid position + 1 (rows with none keep theirs). Backends extend the plan with what
-        their attention reads and do their own bookkeeping (cache/base.py's docstring)."""
+        their attention reads and do their own bookkeeping (cache/base.py's docstring).
+        With `parents` ([T] or [B, T]: each token's parent in the forward, -1 a root) the
+        forward is a tree of draft tokens (cache/tree.py): `positions` are the tokens' depths
+        past each row's length, they are stored at slots length + t, and each sees its
+        ancestors; `keep_branch` then keeps one path."""
         pos = positions.detach().cpu()
         sel = self._selection(rows, pos.shape[0])
+        tree = None
+        if parents is not None:
+            if valid is not None and not bool(valid.all()):
+                raise SetupError("a tree forward has no padding: give each row the same tree (parents [T]) or "
+                                 "one per row ([B, T]) with every token valid")
+            tree = build_tree(parents, self.lengths if sel is None else self.lengths[sel], pos)
+            pos = tree.start[:, None] + torch.arange(pos.shape[1])  # [B, T] slots: after what each row holds
         top = int(pos.max())
         if top >= self.capacity:
             raise SetupError(f"position {top} does not fit in a cache of {self.capacity} tokens per row; "
@@ -232,7 +247,7 @@ class KVCache:
         else:
             self.lengths = self.lengths.clone()
             self.lengths[sel] = new
-        return Plan(pos, ok, sel)
+        return Plan(pos, ok, sel, tree=tree)
 
     def _selection(self, rows, n: int) -> torch.Tensor | None:
         """`rows` as a [b] tensor of distinct cache rows for a forward of n rows (None: all
@@ -278,6 +293,29 @@ class KVCache:
         """After prefill: offer each row's prompt blocks for reuse. Default: nothing."""
 
     # -- called by decoders --------------------------------------------------------
+    def keep_branch(self, row: int, start: int, branch: list[int]) -> None:
+        """After a tree forward stored its T tokens at slots [start, start + T) of `row`
+        (`plan(..., parents=)`), keep the tokens `branch` (tree indices along one path from a
+        root, root first) at slots start, start + 1, ... (their positions) and drop the
+        rest: the row's length becomes start + len(branch), as if the branch had been
+        decoded token by token (a rollback of T - len(branch) tokens)."""
+        n = int(self.lengths[row]) - start
+        b = list(branch)
+        if any(t < 0 or t >= n for t in b) or any(x >= y for x, y in zip(b, b[1:])):
+            raise SetupError(f"branch {b} must be increasing tree indices in [0, {n}) of the tree forward that "
+                             f"row {row} holds from slot {start}")
+        moves = [(start + t, start + i) for i, t in enumerate(b) if t != i]  # dst < src: in order, no clobbering
+        if moves:
+            self._move_slots(row, [m[0] for m in moves], [m[1] for m in moves])
+        new = self.lengths.clone()
+        new[row] = start + len(b)
+        self.truncate(new)
+
+    def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of slots `src` of a row to slots `dst` (each dst < its src), every
+        layer: a backend that can keep a branch of a tree implements it."""
+        raise self.refusal("keep one branch of a tree of draft tokens", "it cannot move a row's K/V between slots")
+
     def truncate(self, lengths) -> None:
         """Roll rows back to `lengths` [B] (each <= its current length)."""
         new = torch.as_tensor(lengths, dtype=torch.long).cpu().reshape(-1)

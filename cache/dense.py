@@ -15,6 +15,7 @@ import torch
 from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attention_mask, extend, is_plain_causal,
                                   reference_attention)
 from decodelab.cache.kernels.paged import dense_as_pool
+from decodelab.cache.tree import Tree, tree_visible
 
 
 @dataclass(frozen=True)
@@ -50,19 +51,20 @@ class DenseCache(KVCache):
         self.k = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [B, Hkv, S, D] each
         self.v = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
 
-    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> DensePlan:
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None,
+             parents=None) -> DensePlan:
         """Book the forward; plan its writes (one slice when every row continues at the same
         position) and, per window, the slots it reads and their mask."""
-        base = super().plan(positions, valid, rows)
+        base = super().plan(positions, valid, rows, parents)
         pos, sel, dev = base.positions, base.rows, self.layout.device
         start = int(pos[0, 0])
         same = bool((pos == start + torch.arange(pos.shape[1])).all())
         run = sel is None or bool((sel == sel[0] + torch.arange(len(sel))).all())
         rows_slice = slice(None) if sel is None else (slice(int(sel[0]), int(sel[0]) + len(sel)) if run else None)
-        spans = {w: self._span(pos, w) for w in self._dense_windows()}
+        spans = {w: self._span(pos, w, base.tree) for w in self._dense_windows()}
         return extend(base, DensePlan, contiguous=start if same else None,
                       dev_rows=base.cache_rows(self.batch_size).to(dev)[:, None], rows_slice=rows_slice,
-                      dev_positions=positions.to(dev), spans=spans)
+                      dev_positions=pos.to(dev), spans=spans)
 
     def _dense_windows(self) -> set:
         """The windows of the layers this backend attends over its dense buffers."""
@@ -85,12 +87,16 @@ class DenseCache(KVCache):
             return t[plan.rows_slice, :, lo:hi]
         return t[:, :, lo:hi].index_select(0, plan.dev_rows[:, 0])
 
-    def _span(self, q: torch.Tensor, window: int | None) -> Span:
-        """Slots [lo, hi) that queries at positions q [B, T] read in a window, their mask,
-        and whether that mask is the plain causal triangle."""
-        lo = 0 if window is None else max(0, int(q.min()) - window + 1)
+    def _span(self, q: torch.Tensor, window: int | None, tree: Tree | None = None) -> Span:
+        """Slots [lo, hi) that queries at slots q [B, T] read in a window, their mask, and
+        whether that mask is the plain causal triangle (a tree's queries read from their own
+        positions, and see only their ancestors among the forward's tokens)."""
+        first = int(q.min() if tree is None else tree.positions.min())
+        lo = 0 if window is None else max(0, first - window + 1)
         hi = int(q.max()) + 1
         kpos = torch.arange(lo, hi).expand(q.shape[0], -1)  # [B, S]
+        if tree is not None:
+            return Span(lo, hi, tree_visible(tree, kpos, window)[:, None].to(self.layout.device), False)
         if is_plain_causal(q, kpos, window):
             return Span(lo, hi, None, True)
         mask = attention_mask(q, kpos, window)
@@ -104,6 +110,12 @@ class DenseCache(KVCache):
         keys, values = self._held(self.k[layer], sp.lo, sp.hi, plan), self._held(self.v[layer], sp.lo, sp.hi, plan)
         return reference_attention(q, keys, values, sp.mask, self.layout.softmax_scale, self.layout.softcap,
                                    sp.causal)
+
+    def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Slots are positions: copy each layer's slots src -> dst of the row."""
+        s, d = (torch.tensor(x, device=self.layout.device) for x in (src, dst))
+        for t in self.k + self.v:  # [B, Hkv, S, D]
+            t[row, :, d] = t[row, :, s]
 
     def read(self, layer, row):
         """Positions [n], k and v [Hkv, n, D]: the row's slots [0, n)."""

@@ -79,6 +79,7 @@ from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_ca
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
 from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_triton
+from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
 
 GROUP_SIZES = (32, 64, 128)
@@ -240,11 +241,13 @@ class QuantizedCache(KVCache):
         return max(0, (q + 1 - self.residual) // self.flush) * self.flush
 
     # -- called by the model -------------------------------------------------------
-    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> Int4Plan:
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None,
+             parents=None) -> Int4Plan:
         """Book a forward (each row must continue at its length, right padding only) and
-        plan it: what every layer stores, quantizes, reads (per window) and drops."""
+        plan it: what every layer stores, quantizes, reads (per window) and drops. A tree
+        forward's queries read by their own positions (cache/tree.py)."""
         before = self.lengths
-        base = super().plan(positions, valid, rows)
+        base = super().plan(positions, valid, rows, parents)
         r = base.cache_rows(self.batch_size)  # [b] the cache rows fed
         old = before[r]
         pos, ok = base.positions, base.valid  # [B, T]
@@ -256,28 +259,33 @@ class QuantizedCache(KVCache):
             raise SetupError("the int4 cache stores each row's tokens in order: a forward must continue every "
                              f"row at its length {old.tolist()} (right padding only); truncate first to rewrite")
         L, qs, p0 = self.lengths[r], self.quantized_len[r], self.exact_start[r]  # [B] each
-        qeff = torch.where(ok, pos, L[:, None] - 1)  # [B, T] padding queries act as the row's last
-        vis = self.quantized_prefix(qeff)  # [B, T] V(q)
+        qeff = torch.where(ok, pos, L[:, None] - 1)  # [B, T] slots; padding queries act as the row's last
+        tree = base.tree
+        vis = self.quantized_prefix(qeff if tree is None else tree.positions)  # [B, T] V(q) at each query's position
         # quantize what the latest query sees quantized (and anything only held quantized)
         q_to = torch.maximum(qs, self.quantized_prefix(L - 1))
         p0_new = torch.maximum(p0, torch.minimum(q_to, self.quantized_prefix(L - self.rollback_limit)))
         C = self.attention_chunk
-        views = {w: [self._view(w, qeff[:, a:a + C], vis[:, a:a + C], a, p0) for a in range(0, T, C)]
+        views = {w: [self._view(w, qeff[:, a:a + C], vis[:, a:a + C], a, p0, tree) for a in range(0, T, C)]
                  for w in set(self.layout.windows)}
         self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
         self.quantized_len[r], self.exact_start[r] = q_to, p0_new  # what every layer holds once this forward is done
-        kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C)  # decode-sized: one view, the kernel
+        # decode-sized and causal: one view, the kernel (a tree of drafts takes the reference)
+        kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C) and tree is None
         dev = self.layout.device
         kernel_q = (qeff.to(dev, torch.int32), vis.to(dev, torch.int32)) if kernel else None
         return extend(base, Int4Plan, new_tokens=n.tolist(), exact_start=p0.tolist(), quantize_from=qs.tolist(),
                       quantize_to=q_to.tolist(), drop=(p0_new - p0).tolist(), views=views, fed=r.tolist(),
                       kernel_q=kernel_q)
 
-    def _view(self, window, qeff, vis, a: int, exact_start: torch.Tensor) -> View:
-        """Key slots of every row for the queries qeff [B, t] (columns a..a+t) in one window,
-        and the mask that picks, per query, the dequantized version of positions below V(q)
-        and the exact one from V(q) on (exactly one version of every visible position)."""
-        first, last = qeff.min(1).values, qeff.max(1).values  # [B] earliest and latest query of each row
+    def _view(self, window, qeff, vis, a: int, exact_start: torch.Tensor, tree: Tree | None = None) -> View:
+        """Key slots of every row for the queries at slots qeff [B, t] (columns a..a+t) in one
+        window, and the mask that picks, per query, the dequantized version of positions
+        below V(q) and the exact one from V(q) on (exactly one version of every visible
+        position; a tree's queries see their ancestors among the forward's tokens)."""
+        last = qeff.max(1).values  # [B] latest query slot of each row
+        own = qeff if tree is None else tree.positions[:, a:a + qeff.shape[1]]  # [B, t] the queries' positions
+        first = own.min(1).values  # [B] earliest query position of each row
         qa = torch.maximum(self.quantized_prefix(last), exact_start)  # below P0: only held quantized
         fs = torch.maximum(exact_start, vis.min(1).values)  # exact positions below fs: no query reads them
         hi = last + 1
@@ -294,13 +302,16 @@ class QuantizedCache(KVCache):
         isq = slot < nq[:, None]  # [B, S]
         kpos = torch.where(isq, lo[:, None] + slot, fs[:, None] + slot - nq[:, None])
         kpos = torch.where(slot < total[:, None], kpos, -1)  # [B, S]
-        causal = not bool(nq.any()) and is_plain_causal(qeff, kpos, window)
+        causal = tree is None and not bool(nq.any()) and is_plain_causal(qeff, kpos, window)
         mask = None
         if not causal:
             q, k, v = qeff[:, :, None], kpos[:, None, :], vis[:, :, None]
-            ok = (k >= 0) & (k <= q) & torch.where(isq[:, None, :], k < v, k >= v)  # [B, t, S]
-            if window is not None:
-                ok &= k > q - window
+            ok = (k >= 0) & torch.where(isq[:, None, :], k < v, k >= v)  # [B, t, S] one version of each
+            if tree is None:
+                ok &= (k <= q) & ((k > q - window) if window is not None else True)
+            else:
+                cols = Tree(own, tree.start, tree.ancestors[:, a:a + qeff.shape[1]])
+                ok &= tree_visible(cols, kpos, window)
             mask = None if bool(ok.all()) else ok[:, None].to(self.layout.device)
         return View(a, a + qeff.shape[1], lo.tolist(), qa.tolist(), fs.tolist(), hi.tolist(), S, mask, causal,
                     bool((total < S).any()))
@@ -358,6 +369,21 @@ class QuantizedCache(KVCache):
             if d:
                 self.key_exact[layer][row] = self.key_exact[layer][row][:, d:].clone()
                 self.value_exact[layer][row] = self.value_exact[layer][row][:, d:].clone()
+
+    def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy positions src -> dst of a row inside its exact stores (a tree's tokens are
+        exact: they lie within the residual window), every layer."""
+        s, d = torch.tensor(src), torch.tensor(dst)
+        if min(dst) < int(self.quantized_len[row]):
+            raise SetupError(f"row {row}: the tree's slots from {min(dst)} are held quantized (the cache quantized "
+                             f"{int(self.quantized_len[row])} tokens); a tree of draft tokens must fit in the "
+                             "full-precision residual window (raise `residual`)")
+        dev = self.layout.device
+        for layer in range(self.layout.n_layers):
+            for exact in (self.key_exact, self.value_exact):
+                e = exact[layer][row]  # [H, len - P0, D]: positions [P0, len)
+                p0 = int(self.lengths[row]) - e.shape[1]
+                e[:, (d - p0).to(dev)] = e[:, (s - p0).to(dev)]
 
     # -- reading -------------------------------------------------------------------
     def _exact_starts(self, layer: int, plan: Int4Plan) -> list[int]:

@@ -32,6 +32,7 @@ from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attent
                                   is_plain_causal, reference_attention)
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
+from decodelab.cache.tree import tree_visible
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 
 
@@ -193,13 +194,14 @@ class PagedCache(KVCache):
         return n * block_bytes
 
     # -- called by the model -------------------------------------------------------
-    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> PagedPlan:
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None,
+             parents=None) -> PagedPlan:
         """Book a forward: give every valid position a private block slot (allocated, or
         copied where shared); plan its write indices and each window's reads. Raises
         PoolExhausted (a SetupError), with nothing changed, when the pool cannot supply
         the blocks."""
         before = self.lengths
-        base = super().plan(positions, valid, rows)
+        base = super().plan(positions, valid, rows, parents)
         srows = base.cache_rows(self.batch_size)  # [b] cache rows
         try:
             self._claim(*self._targets(base.positions, base.valid, srows))
@@ -207,7 +209,8 @@ class PagedCache(KVCache):
             self.lengths = before
             raise
         wdst, wsrc = self._write_index(base.positions, base.valid, srows)
-        decode = base.positions.shape[1] <= DECODE_QUERIES  # kernel-sized; a prefill takes the reference
+        # kernel-sized and causal: a prefill or a tree of drafts takes the reference
+        decode = base.positions.shape[1] <= DECODE_QUERIES and base.tree is None
         kernel = self._kernel_inputs(base.positions, srows) if self.impl == "triton" and decode else None
         reads = {} if kernel is not None else {w: self._reads(base, srows, w) for w in set(self.layout.windows)}
         return extend(base, PagedPlan, wdst=wdst, wsrc=wsrc, reads=reads, kernel=kernel)
@@ -298,7 +301,7 @@ class PagedCache(KVCache):
         """What the window reads in a forward: per row, the key slots from its first visible
         position to its last valid query; slots that hold nothing get position -1 in the mask."""
         q, ok = plan.positions, plan.valid  # [B, T]
-        lo, hi = self._visible(q, ok, srows, window)
+        lo, hi = self._visible(q, ok, srows, window, None if plan.tree is None else plan.tree.positions)
         S = int((hi - lo).max()) + 1
         kpos = lo[:, None] + torch.arange(S)  # [B, S]
         blocks = self.table[srows].gather(1, kpos.clamp(max=self.capacity - 1) // self.block_size)  # [b, S]
@@ -309,16 +312,19 @@ class PagedCache(KVCache):
         if run is None:
             offsets = torch.where(held, kpos % self.block_size, 0)
             gather = self._flat_rows(torch.where(held, blocks, 0), offsets).reshape(-1).to(self.layout.device)
+        if plan.tree is not None:  # from their own positions, seeing their ancestors
+            return _Reads(gather, run, S, tree_visible(plan.tree, kpos, window)[:, None].to(self.layout.device), False)
         causal = bool(ok.all()) and is_plain_causal(q, kpos, window)
         mask = None if causal else self._mask(q, kpos, window, ok)
         return _Reads(gather, run, S, mask, causal)
 
-    def _visible(self, q: torch.Tensor, ok: torch.Tensor, srows: torch.Tensor,
-                 window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row [B], the first position the window shows any valid query and the last
-        valid query (a row with none: what it holds)."""
+    def _visible(self, q: torch.Tensor, ok: torch.Tensor, srows: torch.Tensor, window: int | None,
+                 own: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row [B], the first position the window shows any valid query (queries at
+        slots q, reading from positions `own`, a tree's depths; None: q) and the last valid
+        query's slot (a row with none: what it holds)."""
         hi = torch.where(ok, q, -1).max(1).values  # [B]
-        first = torch.where(ok, q, self.capacity).min(1).values
+        first = torch.where(ok, q if own is None else own, self.capacity).min(1).values
         empty = hi < 0
         hi = torch.where(empty, (self.lengths[srows] - 1).clamp(min=0), hi)
         first = torch.where(empty, hi, first)
@@ -375,6 +381,14 @@ class PagedCache(KVCache):
         shape = (r.gather.numel() // (Hkv * r.keys), Hkv, r.keys, D)
         return (self._kflat[layer].index_select(0, r.gather).view(shape),
                 self._vflat[layer].index_select(0, r.gather).view(shape))
+
+    def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy slots src -> dst of a row through its block table, every layer's pool."""
+        s, d = torch.tensor(src), torch.tensor(dst)
+        at = [self._flat_rows(self.table[row, x // self.block_size][None], (x % self.block_size)[None]).reshape(-1)
+              .to(self.layout.device) for x in (s, d)]  # [Hkv * X] rows of the flat pool
+        for flat in self._kflat + self._vflat:
+            flat.index_copy_(0, at[1], flat.index_select(0, at[0]))
 
     def read(self, layer, row):
         """Positions [n], k and v [Hkv, n, D] of a row, gathered from its blocks."""

@@ -36,6 +36,7 @@ import torch
 
 from decodelab.cache.base import CacheLayout, KVCache, attention_mask, extend, is_plain_causal, reference_attention
 from decodelab.cache.dense import DenseCache, DensePlan
+from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
 
 
@@ -201,11 +202,12 @@ class SlidingCache(DenseCache):
         return self._windows[layer]
 
     # -- called by the model ---------------------------------------------------------
-    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None) -> SlidingPlan:
+    def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None,
+             parents=None) -> SlidingPlan:
         """Book a forward: advance each ring's slot positions and plan its writes and the
         keys its layers read (dense's plan for the full layers)."""
         before = self.lengths
-        base = super().plan(positions, valid, rows)
+        base = super().plan(positions, valid, rows, parents)
         pos, ok = base.positions, base.valid  # [B, T] each
         first = torch.where(ok, pos, self.capacity).min(1).values  # [B] a row replaces what it held from here
         last = torch.where(ok, pos, -1).max(1).values  # [B]
@@ -216,7 +218,7 @@ class SlidingCache(DenseCache):
         write_first = bool(ok.all()) and span <= self.rollback
         rings = {r: self._ring_plan(sp, fed, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
         pairs = {(r, w) for r, w in zip(self._rings, self._windows) if r is not None}
-        reads = {(r, w): self._read(pos, r, w, write_first, rings[r].was_empty) for r, w in sorted(pairs)}
+        reads = {(r, w): self._read(pos, r, w, write_first, rings[r].was_empty, base.tree) for r, w in sorted(pairs)}
         return extend(base, SlidingPlan, write_first=write_first, rings=rings, ring_reads=reads)
 
     def _dense_windows(self) -> set:
@@ -247,18 +249,22 @@ class SlidingCache(DenseCache):
         dev = self.layout.device
         return RingPlan(rows.to(dev), cols.to(dev), slots.to(dev), fed[rows].to(dev), was_empty)
 
-    def _read(self, q: torch.Tensor, ring: int, window: int, write_first: bool, was_empty: bool) -> RingRead:
-        """The keys a (ring, window) pair reads in a forward of queries q [B, T]: dense's
-        span [lo, hi) (after the sinks below lo), each position taken from the new K/V when
-        this forward feeds it, else from its ring slot; dense's mask, or its causal fast path."""
+    def _read(self, q: torch.Tensor, ring: int, window: int, write_first: bool, was_empty: bool,
+              tree: Tree | None = None) -> RingRead:
+        """The keys a (ring, window) pair reads in a forward of queries at slots q [B, T]:
+        dense's span [lo, hi) (after the sinks below lo), each position taken from the new
+        K/V when this forward feeds it, else from its ring slot; dense's mask, or its causal
+        fast path (a tree's queries: from their own positions, seeing their ancestors)."""
         B, T = q.shape
-        lo, hi = max(0, int(q.min()) - window + 1), int(q.max()) + 1
+        first = int(q.min() if tree is None else tree.positions.min())
+        lo, hi = max(0, first - window + 1), int(q.max()) + 1
         lead = min(self.sink_tokens, lo)  # sinks below the span
         kpos = torch.cat([torch.arange(lead), torch.arange(lo, hi)]).expand(B, -1)  # [B, S]
         S = kpos.shape[1]
-        if is_plain_causal(q, kpos, window):  # the keys are exactly the new tokens
+        if tree is None and is_plain_causal(q, kpos, window):  # the keys are exactly the new tokens
             return RingRead("new", S, 0, None, None, True)
-        mask = window_mask(q, kpos, window, self.sink_tokens)
+        mask = (window_mask(q, kpos, window, self.sink_tokens) if tree is None
+                else tree_visible(tree, kpos, window, self.sink_tokens)[:, None])
         slots = ring_slot(kpos, ring, self.sink_tokens)  # [B, S]
         held = self.slot_pos[ring].shape[1]  # sinks + ring slots
         if write_first:  # the ring already holds the new tokens
@@ -311,6 +317,19 @@ class SlidingCache(DenseCache):
         if not plan.write_first:
             self._ring_write(layer, writes, k, v)
         return out
+
+    def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy positions src -> dst of a row: full layers by slot = position, ring layers
+        between the ring slots of those positions (a tree spans at most rollback + 1
+        slots, so they are distinct), whose slot positions now read dst."""
+        s, d = torch.tensor(src), torch.tensor(dst)
+        dev = self.layout.device
+        for layer, ring in enumerate(self._rings):
+            a, b = (s, d) if ring is None else (ring_slot(x, ring, self.sink_tokens) for x in (s, d))
+            for t in (self.k[layer], self.v[layer]):  # [B, Hkv, slots, D]
+                t[row, :, b.to(dev)] = t[row, :, a.to(dev)]
+        for ring, sp in self.slot_pos.items():
+            sp[row, ring_slot(d, ring, self.sink_tokens)] = d
 
     def read(self, layer, row):
         """Positions [N], k, v [Hkv, N, D] a row holds now (ring layers: the filled
