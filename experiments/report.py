@@ -1,16 +1,18 @@
 """Report: every `results.jsonl` under a directory (any depth, from any entry point) as a
-CSV, Markdown tables and PNG plots.
+CSV, Markdown tables and figures (PNG at print resolution, plus SVG or PDF when asked).
 
-    decodelab-report DIR [out=OUTDIR]      # or dir=DIR
+    decodelab-report DIR [out=OUTDIR] [format=png|svg|pdf]      # or dir=DIR
 
 The files are in the harness's one schema (experiments/harness.py): prompt lines and one
 `{"kind": "summary", "entry": ..., "run": ID, ...}` line per table row. An unfinished run
 (no summary) and a line that is not a JSON object are skipped with a warning; a run ID seen
 more than once (a sweep rerun with redo) keeps its newest `finished` record. Each entry
 point gets its table (bench: the comparison columns; agree, micro, gpu_check: their
-metrics). The plots: bench's generations (TTFT, ITL and KV bytes vs context, speculative
-speedup vs gamma measured and predicted), agree's matrix (top-1 and KL per setup) and
-micro part=weights (decode tok/s vs context per weight type), where the runs have data.
+metrics). The figures (experiments/figures.py, drawn by experiments/plotting.py), where
+the runs have data: bench's generations (TTFT, ITL and KV bytes vs context, speculative
+speedup vs gamma measured and predicted), agree's matrix (top-1, KL and max |dlogit| per
+setup against its thresholds), micro part=weights (decode tok/s and TTFT per weight type)
+and serve's load curves; each with its spread, its n and the run conditions in a caption.
 
 For analysis in Python, `load_results(path)` gives every record as pandas DataFrames, one
 per kind, nested fields as dotted columns (`frames["summary"]["metrics.decode_tok_s"]`).
@@ -21,7 +23,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -221,214 +222,6 @@ def write_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-# -- plots ---------------------------------------------------------------------------------
-def _points(runs: list[dict], field: str, xy, skip=lambda r: False) -> dict[str, list[tuple]]:
-    """Series per setup `field` (prefixed by the model when the runs have several): the (x, y)
-    pairs `xy(prompt row)` yields over the prompts of the runs not skipped, if any."""
-    multi = len({(r.get("setup") or {}).get("model") for r in runs}) > 1
-    out: dict[str, list[tuple]] = {}
-    for r in runs:
-        setup = r.get("setup") or {}
-        if not skip(setup):
-            label = f"{setup.get('model')} {setup.get(field)}" if multi else str(setup.get(field))
-            out.setdefault(label, []).extend(pt for p in r["prompts"] for pt in xy(p))
-    return {k: v for k, v in out.items() if v}
-
-
-def _by_gamma(rows: list[dict], field: str, suffix: str = "") -> dict[str, list[tuple]]:
-    """(gamma, row[field]) per drafter and cache (+ `suffix` in the label), over the
-    speculative rows with both; rows of several entry points (bench's sweeps, micro's
-    spec_gamma) or models are kept apart, the entry or model named in the label."""
-    spec = [r for r in rows if r.get("needs_drafter") and r.get("gamma") is not None and r.get(field) is not None]
-    apart = [k for k in ("model", "entry") if len({r.get(k) for r in spec}) > 1]
-    out: dict[str, list[tuple]] = {}
-    for r in spec:
-        where = "".join(f" {r.get(k)}" for k in apart)
-        out.setdefault(f"{r.get('draft')} / {r.get('cache')}{where}{suffix}", []).append((r["gamma"], r[field]))
-    return out
-
-
-def speculative_series(rows: list[dict]) -> dict[str, list[tuple]]:
-    """Speedup over greedy vs gamma per drafter and cache: "D / C measured" (side by side)
-    and "D / C predicted" (from the run's own alpha, c_draft and c_verify)."""
-    return {**_by_gamma(rows, "speedup_vs_greedy", " measured"), **_by_gamma(rows, "predicted_this_hw", " predicted")}
-
-
-def _micro_weights(runs: list[dict]) -> dict[str, list[tuple]]:
-    """decodelab-micro part=weights: (context, decode tok/s) per system (fp32, int8, ...,
-    transformers-fp32), each system's rows measured side by side in one run."""
-    out: dict[str, list[tuple]] = {}
-    for r in runs:
-        m = r.get("metrics") or {}
-        if (r.get("setup") or {}).get("name") == "weights" and m.get("decode_tok_s") is not None:
-            out.setdefault(str(m.get("system")), []).append((m["context"], m["decode_tok_s"]))
-    return out
-
-
-def binned_median(pts: list[tuple], bins: int = 20) -> list[tuple]:
-    """(median x, median y) in up to `bins` equal-width bins of x; empty bins dropped."""
-    import numpy as np
-
-    x, y = np.asarray([p[0] for p in pts], dtype=float), np.asarray([p[1] for p in pts], dtype=float)
-    edges = np.linspace(x.min(), x.max(), min(bins, len(np.unique(x))) + 1)
-    idx = np.digitize(x, edges[1:-1])  # 0 .. n_bins-1
-    return [(float(np.median(x[idx == i])), float(np.median(y[idx == i]))) for i in np.unique(idx)]
-
-
-KL_FLOOR = 1e-12  # a log-scale bar of KL 0
-# a measured series ("X measured", "X allocated") and what predicts it ("X predicted", "X formula",
-# dashed): one colour
-MEASURED, PREDICTED = (" measured", " allocated"), (" formula", " predicted")
-
-
-def line_style(name: str) -> tuple[bool, str]:
-    """(dashed, colour key) of a series: "X predicted" / "X formula" dashed, in the colour of
-    "X measured" / "X allocated" (solid); any other series solid in a colour of its own."""
-    paired = name.endswith(MEASURED + PREDICTED)
-    return name.endswith(PREDICTED), name.rsplit(" ", 1)[0] if paired else name
-
-
-def plot(path: Path, panels: list[tuple], style: str = "o-") -> Path | None:
-    """One figure of side-by-side panels, each (series {label: [(x, y)]}, x label, y label,
-    title), as a matplotlib Figure (no pyplot state); None (logged) when no panel has data."""
-    from matplotlib.figure import Figure
-
-    if not any(panel[0] for panel in panels):
-        log.info("skipped %s: no data for it", path.name)
-        return None
-    fig = Figure(figsize=(6.4 * len(panels), 4.4), layout="constrained")
-    for i, (series, xlabel, ylabel, title) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        colors: dict[str, str] = {}  # one colour per `line_style` key
-        for name, pts in series.items():
-            dashed, key = line_style(name)
-            line, = ax.plot(*zip(*sorted(pts)), "--" if dashed else style, label=name, linewidth=0.9,
-                            color=colors.get(key))
-            colors.setdefault(key, line.get_color())
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        ax.grid(True, alpha=0.3)
-        if series:
-            ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    return path
-
-
-def bars(path: Path, panels: list[tuple]) -> Path | None:
-    """One figure of side-by-side bar panels, each ({label: (value, ok)}, y label, title,
-    log scale), a bar red where not ok; None (logged) when no panel has data."""
-    from matplotlib.figure import Figure
-
-    if not any(panel[0] for panel in panels):
-        log.info("skipped %s: no data for it", path.name)
-        return None
-    width = max(6.4, 0.45 * max(len(p[0]) for p in panels))
-    fig = Figure(figsize=(width * len(panels), 4.8), layout="constrained")
-    for i, (values, ylabel, title, logy) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        labels = list(values)
-        colors = ["tab:blue" if values[k][1] else "tab:red" for k in labels]
-        ax.bar(labels, [values[k][0] for k in labels], color=colors)
-        ax.set(ylabel=ylabel, title=title, yscale="log" if logy else "linear")
-        ax.tick_params(axis="x", labelrotation=60, labelsize="small")
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.savefig(path, dpi=100)
-    return path
-
-
-def weights_plot(runs: list[dict], out: Path) -> dict[str, Path]:
-    """decodelab-micro part=weights: decode tok/s vs context per weight type and transformers."""
-    path = plot(out / "weights_decode_vs_context.png",
-                [(_micro_weights(runs), "prompt tokens", "decode tok/s (batch 1, median)",
-                  "Decode speed per weight type, side by side")])
-    return {"weights_decode_vs_context": path} if path else {}
-
-
-def agreement_values(runs: list[dict]) -> tuple[dict, dict, str]:
-    """decodelab-agree's runs as bars: ({setup: (top-1, passed)}, {setup: (mean KL, passed)},
-    the reference(s)); a KL of 0 is KL_FLOOR (a log axis), and where the runs have several
-    references or models, each bar's label names its own."""
-    found = [(r.get("setup") or {}, r.get("metrics") or {}) for r in runs]
-    found = [(s, m) for s, m in found if m.get("top1") is not None and m.get("mean_kl") is not None]
-    apart = [k for k in ("model", "reference") if len({s.get(k) for s, _ in found}) > 1]
-    top1, kl = {}, {}
-    for s, m in found:
-        label = " ".join([str(s.get("name")), *(str(s.get(k)) for k in apart)])
-        ok = m.get("passed", True)
-        top1[label], kl[label] = (m["top1"], ok), (max(m["mean_kl"], KL_FLOOR), ok)
-    return top1, kl, "/".join(sorted({str(s.get("reference")) for s, _ in found}))
-
-
-def agreement_bars(runs: list[dict], out: Path) -> dict[str, Path]:
-    """decodelab-agree: top-1 and mean KL against its reference per setup (red: the setup
-    failed its thresholds), as `agreement_values` gives them."""
-    top1, kl, ref = agreement_values(runs)
-    path = bars(out / "agreement.png", [(top1, f"top-1 agreement with {ref}", "Teacher-forced top-1 per setup", False),
-                                        (kl, f"mean KL({ref} || setup)", "Teacher-forced KL per setup (red: failed "
-                                         "its bar)", True)])
-    return {"agreement": path} if path else {}
-
-
-def plots(runs: list[dict], rows: list[dict], out: Path) -> dict[str, Path]:
-    """TTFT vs prompt length (per setup), ITL vs context (median per bin, per cache, plain
-    decoders), KV MiB allocated and by formula vs context (per cache), and speedup over
-    greedy (measured and predicted) and acceptance vs gamma (per drafter and cache, from
-    `rows`: bench's and micro part=spec_gamma's), where there is data."""
-    def mib(p: dict, key: str) -> list[tuple]:  # (prompt + new tokens, KV MiB) where the prompt recorded `key`
-        return [(p["prompt_tokens"] + p["new_tokens"], p[key] / 2**20)] if p.get(key) is not None else []
-
-    ttft = _points(runs, "name", lambda p: [(p["prompt_tokens"], p["ttft_ms"])] if "ttft_ms" in p else [])
-    itl = _points(runs, "cache", lambda p: zip(p.get("context") or [], p.get("itl_ms") or []),
-                  skip=lambda setup: setup.get("needs_drafter"))
-    kv = {f"{cache} {kind}": pts for kind in ("allocated", "formula")
-          for cache, pts in _points(runs, "cache", lambda p: mib(p, f"kv_bytes_{kind}")).items()}
-    speedup = speculative_series(rows)
-    accept = _by_gamma(rows, "acceptance_rate")
-    figs = {"ttft_vs_prompt_len": [(ttft, "prompt tokens", "TTFT (ms)", "Time to first token vs prompt length")],
-            "itl_vs_context": [({k: binned_median(v) for k, v in itl.items()}, "tokens in cache",
-                                "ITL (ms), median per bin", "Inter-token latency vs context (plain decoders)")],
-            "kv_mib_vs_context": [(kv, "prompt + new tokens", "KV cache (MiB)", "KV cache memory vs context")],
-            "speculative_vs_gamma": [(speedup, "gamma", "x greedy (side by side)",
-                                      "Speculative speedup vs gamma (dashed: predicted from measured costs)"),
-                                     (accept, "gamma", "acceptance rate", "Acceptance vs gamma")]}
-    speculative = any(r.get("needs_drafter") and r.get("gamma") is not None for r in rows)
-    if speculative and not any(k.endswith(" measured") for k in speedup):
-        figs.pop("speculative_vs_gamma")
-        log.info("skipped speculative_vs_gamma.png: no speculative run measured its speedup over greedy "
-                 "side by side (bench's compare_greedy=true)")
-    written = {stem: plot(out / f"{stem}.png", panels) for stem, panels in figs.items()}
-    return {k: v for k, v in written.items() if v is not None}
-
-
-def serve_plots(runs: list[dict], out: Path) -> dict[str, Path]:
-    """decodelab-serve: p50/p99 TTFT and TPOT vs request rate and output tok/s and goodput vs
-    rate, per cache backend and trace (finite rates only); KV budget utilization over time
-    per run."""
-    def by_rate(metric: str, label=lambda s, m: f"{s.get('cache')} {s.get('trace')}") -> dict[str, list[tuple]]:
-        series: dict[str, list[tuple]] = {}
-        for r in runs:
-            s, m = r.get("setup") or {}, r.get("metrics") or {}
-            rate = s.get("rate")
-            if rate is not None and math.isfinite(rate) and m.get(metric) is not None:
-                series.setdefault(label(s, m), []).append((rate, m[metric]))
-        return series
-
-    def pcts(name: str) -> dict[str, list[tuple]]:
-        return {f"{k} p{q}": v for q in (50, 99) for k, v in by_rate(f"{name}_p{q}_ms").items()}
-
-    util = {str((r.get("setup") or {}).get("name")): [(t["t"], t["kv_bytes"] / 2**20 / r["metrics"]["kv_budget_mb"])
-                                                   for t in r["timeline"]]
-            for r in runs if r.get("timeline") and (r.get("metrics") or {}).get("kv_budget_mb")}
-    figs = {"serve_latency_vs_rate": [(pcts("ttft"), "requests/s", "TTFT (ms)", "Time to first token vs rate"),
-                                      (pcts("tpot"), "requests/s", "TPOT (ms)", "Time per output token vs rate")],
-            "serve_throughput_vs_rate": [(by_rate("output_tok_s"), "requests/s", "output tok/s", "Throughput vs rate"),
-                                         (by_rate("goodput_req_s"), "requests/s", "requests/s within the SLO",
-                                          "Goodput vs rate")],
-            "serve_kv_utilization": [(util, "seconds", "KV bytes / budget", "KV budget in use over time")]}
-    written = {stem: plot(out / f"{stem}.png", panels, style=".-" if stem.endswith("utilization") else "o-")
-               for stem, panels in figs.items()}
-    return {k: v for k, v in written.items() if v is not None}
-
-
 # -- the report ----------------------------------------------------------------------------
 class NoRunsError(SetupError):
     """A directory with no finished run under it (the console exits 2, as for any SetupError)."""
@@ -437,10 +230,26 @@ class NoRunsError(SetupError):
         return self.reasons[0]
 
 
-def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, Path]:
-    """Load the runs under `root` and write `report.csv`, `report.md` and the PNG plots
-    that have data into `out` (default: `root`). Returns {"csv", "md", plot stem: path}
-    for what was written; raises NoRunsError when `root` holds no finished run."""
+def check_format(fmt) -> tuple[str, ...]:
+    """The formats a `format` option asks for: PNG always, plus svg or pdf (`plotting.FORMATS`);
+    a SetupError naming the choices for any other value."""
+    from decodelab.experiments.plotting import FORMATS
+
+    if fmt is None or str(fmt).lower() not in FORMATS:
+        raise SetupError(f"format={fmt}: must be one of {', '.join(FORMATS)} (PNG is always written; svg or pdf "
+                         "adds a vector copy of every figure)")
+    return tuple(dict.fromkeys(("png", str(fmt).lower())))
+
+
+def write_report(root: str | Path, out: str | Path | None = None, fmt: str = "png") -> dict[str, Path]:
+    """Load the runs under `root` and write `report.csv`, `report.md` and the figures that
+    have data (`figures.write_figures`: PNG, plus an SVG or PDF copy of each for `fmt` svg
+    or pdf) into `out` (default: `root`). Returns {"csv", "md", figure stem: PNG path,
+    "stem.svg"/"stem.pdf": vector path} for what was written; raises NoRunsError when
+    `root` holds no finished run, a SetupError for a `fmt` not in `plotting.FORMATS`."""
+    from decodelab.experiments.figures import write_figures
+
+    formats = check_format(fmt)
     root = Path(root)
     runs = load_runs(root)
     if not runs:
@@ -451,14 +260,7 @@ def write_report(root: str | Path, out: str | Path | None = None) -> dict[str, P
     rows = table_rows(runs, root)
     paths = {"csv": write_csv(rows, out / "report.csv"), "md": out / "report.md"}
     paths["md"].write_text(report_markdown(rows))
-    bench = [r for r in runs if r.get("entry", "bench") == "bench"]  # the plots are of generations
-    spec = [r for r in rows if r["entry"] == "bench" or (r["entry"] == "micro" and r["name"] == "spec_gamma")]
-    paths.update(plots(bench, spec, out))
-    paths.update(agreement_bars([r for r in runs if r.get("entry") == "agree"], out))
-    paths.update(weights_plot([r for r in runs if r.get("entry") == "micro"], out))
-    serve = [r for r in runs if r.get("entry") == "serve"]
-    if serve:
-        paths.update(serve_plots(serve, out))
+    paths.update(write_figures(runs, rows, out, formats))
     return paths
 
 
@@ -467,7 +269,7 @@ def run(cfg, _output_dir: Path) -> None:
     if cfg.dir is None or not Path(cfg.dir).is_dir():
         raise NoRunsError(f"dir={cfg.dir} is not a directory; give a run or multirun directory holding {RESULTS} "
                           "files: decodelab-report dir=outputs/sweeps/compare (or the directory alone)")
-    paths = write_report(cfg.dir, cfg.out)
+    paths = write_report(cfg.dir, cfg.out, cfg.format)
     print(paths["md"].read_text())
     print("\n".join(f"wrote {path}" for path in paths.values()))
 

@@ -244,7 +244,8 @@ def test_spec_gamma_part_grid_against_greedy_beside_each_drafter(tmp_path, monke
     assert all(r["alpha"] > 0.5 for r in int8)  # the target's own weights in int8 agree with it mostly
 
     runs = load_runs(tmp_path)  # the report draws these rows as measured and predicted speedup vs gamma
-    from decodelab.experiments.report import speculative_series, write_report
+    from decodelab.experiments.figures import speculative_series
+    from decodelab.experiments.report import write_report
     series = speculative_series(table_rows(runs))
     assert sorted(series) == ["int8-self / dense measured", "int8-self / dense predicted",
                               "prompt-lookup / dense measured", "prompt-lookup / dense predicted"]
