@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 from decodelab.experiments.plotting import (FigureSpec, Panel, Point, Row, RowPanel, Series, merge_identical, n_text,
-                                            pooled, quartiles, render, save)
+                                            point, pooled, render, save)
 
 log = logging.getLogger("decodelab.report")
 
@@ -187,18 +187,16 @@ def prompt_speedups(prompts: list[dict]) -> list[float]:
 
 
 def _spec_point(gamma: float, value: float, samples: list[float]) -> Point:
-    """The run's own value (as in the table) with the IQR of its per-prompt values."""
-    if len(samples) < 2:
-        return Point(float(gamma), float(value))
-    q1, _, q3 = quartiles(samples)
-    return Point(float(gamma), float(value), q1, q3, len(samples))
+    """The median and IQR of the run's per-prompt values where it has two or more, else the
+    run's own value (as in the table: pooled over its prompts and rounds), n=1."""
+    return point(gamma, samples) if len(samples) > 1 else Point(float(gamma), float(value))
 
 
 def speculative_figure(pairs: list[tuple[dict, dict]]) -> FigureSpec | None:
     """Speedup over greedy (measured: solid; predicted: dashed) and acceptance vs gamma per
     drafter and cache, from (table row, run) of bench's and micro spec_gamma's runs; each
-    point the run's own value (as in the table), its band the IQR of its per-prompt values
-    where it recorded prompts; a break-even line at 1x. None without a measured speedup."""
+    point `_spec_point` of the run (prediction: the run's own); a break-even line at 1x.
+    None without a measured speedup."""
     spec = [(r, run) for r, run in pairs if r.get("needs_drafter") and r.get("gamma") is not None]
     label = _spec_label([r for r, _ in spec])
     series: dict[tuple[str, str], list[Point]] = {}
@@ -235,7 +233,8 @@ def _speculative_n(spec: list[tuple[dict, dict]]) -> str:
     bench = [len(run.get("prompts") or []) for r, run in spec if r.get("entry") != "micro"]
     if bench:
         n = f"n={min(bench)}" if min(bench) == max(bench) else f"n={min(bench)}-{max(bench)}"
-        text += f" bench: the run's ratio over all its prompts; band: IQR of per-prompt ratios ({n} prompts)."
+        text += (f" bench: median and IQR (band) of per-prompt values ({n} prompts; the table pools them); the "
+                 "prediction from the run's pooled statistics.")
     return text
 
 

@@ -317,18 +317,19 @@ def test_speedup_plot_breaks_even_at_one_and_keeps_its_legend_outside(sweep):
     from decodelab.experiments.figures import prompt_speedups, speculative_figure
 
     runs = load_runs(sweep)
-    rows = {r["run"]: r for r in table_rows(runs)}
+    rows = {r["run"]: {**r, "predicted_this_hw": 1.9 if r["gamma"] else None} for r in table_rows(runs)}
     spec = speculative_figure([(rows[r["run"]], r) for r in runs])
     speed, accept = spec.panels
     assert speed.hlines == ((1.0, "break-even (1x greedy)"),)
     dense = next(s for s in speed.series if s.group == "early-exit / dense" and s.style == "solid")
-    # per prompt: greedy 0.4 (1 + i) s over 0.4 s -> 1, 2, 3: quartiles 1.5, 2.5; the point: the run's own ratio
+    # per prompt: greedy 0.4 (1 + i) s over 0.4 s -> 1, 2, 3: median 2, quartiles 1.5 and 2.5 (the table: 1.8, 2.0)
     gamma4 = next(r for r in runs if r["run"] == "a00000000003")
     assert prompt_speedups(gamma4["prompts"]) == pytest.approx([1.0, 2.0, 3.0])
-    assert [(p.x, p.y, p.lo, p.hi, p.n) for p in dense.points] == [(2, pytest.approx(1.8), 1.5, 2.5, 3),
-                                                                    (4, 2.0, 1.5, 2.5, 3)]
-    assert accept.series[0].points[0].lo == pytest.approx(0.35) and accept.series[0].points[0].hi == pytest.approx(0.45)
-    assert "band: IQR of per-prompt ratios (n=3 prompts)" in spec.caption
+    assert [(p.x, p.y, p.lo, p.hi, p.n) for p in dense.points] == [(2, 2.0, 1.5, 2.5, 3), (4, 2.0, 1.5, 2.5, 3)]
+    predicted = next(s for s in speed.series if s.group == "early-exit / dense" and s.style == "dashed")
+    assert [(p.y, p.lo, p.n) for p in predicted.points] == [(1.9, None, 1)] * 2  # the run's own prediction
+    assert [(p.y, p.lo, p.hi) for p in accept.series[0].points[:1]] == [pytest.approx((0.4, 0.35, 0.45))]
+    assert "median and IQR (band) of per-prompt values (n=3 prompts" in spec.caption
     fig = drawn(spec)
     ax = fig.axes[0]
     assert any(list(line.get_ydata()) == [1.0, 1.0] and line.get_linestyle() == ":" for line in ax.lines)
