@@ -311,12 +311,12 @@ def weights_figure(runs: list[dict]) -> FigureSpec | None:
                     dodge=True),
               Panel(as_series(ttft), "prompt tokens", "TTFT / fp32's TTFT (x)", "Time to first token relative to fp32",
                     ((1.0, "fp32 (1x)"),), dodge=True))
-    return FigureSpec(panels if ttft else panels[:1], f"{_weights_n(as_series(decode), n_dec, n_ttft)}\n"
-                      f"{conditions_line(mine)}")
+    return FigureSpec(panels if ttft else panels[:1], f"{_weights_n(as_series(decode), n_dec, n_ttft if ttft else 0)}"
+                      f"\n{conditions_line(mine)}")
 
 
 def _weights_n(decode: tuple[Series, ...], n_dec: int | None, n_ttft: int | None) -> str:
-    """The weights figure's statistics sentence."""
+    """The weights figure's statistics sentence (`n_ttft` 0: no TTFT panel; None: n unknown)."""
     spread = any(p.lo is not None for s in decode for p in s.points)
     if spread:
         dec = f"median of {n_text(decode)} decodes (repeats x prompts), error bar: IQR"
@@ -324,10 +324,12 @@ def _weights_n(decode: tuple[Series, ...], n_dec: int | None, n_ttft: int | None
         dec = "one decode per point (n=1: repeats=1, one prompt; no spread)"
     else:
         dec = f"median of n={n_dec or '?'} decodes (repeats x prompts; quartiles not recorded)"
+    ttft = "" if n_ttft == 0 else (
+        "TTFT: each system's TTFT over fp32's in the same round, median and IQR over "
+        f"{f'n={n_ttft} (rounds x prompts)' if n_ttft else 'its rounds x prompts'}; 'fp32 (control)' is fp32 timed "
+        "again. ")
     return (f"Decode: tokens/s of a batch-1 greedy decode, {dec}; systems measured side by side, in rotated order. "
-            f"TTFT: each system's TTFT over fp32's in the same round, median and IQR over n={n_ttft or '?'} "
-            "(rounds x prompts); 'fp32 (control)' is fp32 timed again. Points at one context are spread sideways "
-            "for legibility.")
+            f"{ttft}Points at one context are spread sideways for legibility.")
 
 
 # -- serve ---------------------------------------------------------------------------------
@@ -370,7 +372,7 @@ def serve_figures(runs: list[dict]) -> dict[str, FigureSpec]:
                         "Goodput vs rate")), cap),
              "serve_kv_utilization": FigureSpec(
                  (Panel(_kv_in_use(runs), "seconds", "KV bytes / budget", "KV budget in use over time",
-                        markers=False),),
+                        xscale="linear", yscale="linear", markers=False),),
                  "One line per serve run: the engine's KV bytes over its budget at each step.\n"
                  f"{conditions_line(runs)}")}
     return {k: v for k, v in specs.items() if any(s.points for p in v.panels for s in p.series)}

@@ -28,7 +28,7 @@ DPI = 200  # PNG: print resolution
 PANEL_IN = (6.0, 4.2)  # inches per line panel (width, height)
 LOG_RATIO = 8.0  # max / min at which an axis becomes logarithmic
 FORMATS = ("png", "svg", "pdf")  # PNG is always written; svg or pdf besides it when asked
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")  # 11 against 10 colours: 110 distinct pairs
 STYLE_LINES = {"solid": "-", "dashed": "--", "formula": (0, (5, 3))}
 
 
@@ -188,22 +188,22 @@ class _Look:
     the legend's proxy of each group (solid line, filled marker)."""
 
     def __init__(self):
-        self.groups: dict[str, tuple[str, str, bool]] = {}  # group -> (colour, marker, connected)
+        self.groups: dict[str, tuple[str, str, bool, bool]] = {}  # group -> (colour, marker, line, markers)
 
-    def of(self, s: Series) -> tuple[str, str]:
+    def of(self, s: Series, markers: bool = True) -> tuple[str, str]:
         if s.group is None:
             return "black", ""
         if s.group not in self.groups:
             i = len(self.groups)
-            self.groups[s.group] = (f"C{i % 10}", MARKERS[i % len(MARKERS)], s.connect)
-        colour, marker, _ = self.groups[s.group]
+            self.groups[s.group] = (f"C{i % 10}", MARKERS[i % len(MARKERS)], s.connect, markers)
+        colour, marker, _, _ = self.groups[s.group]
         return colour, marker
 
     def handles(self) -> dict:
         from matplotlib.lines import Line2D
 
-        return {g: Line2D([], [], color=c, marker=m, linestyle="-" if line else "none", markersize=5)
-                for g, (c, m, line) in self.groups.items()}
+        return {g: Line2D([], [], color=c, marker=m if dots else "", linestyle="-" if line else "none", markersize=5)
+                for g, (c, m, line, dots) in self.groups.items()}
 
 
 def _line_kw(s: Series, colour: str, marker: str, markers: bool) -> dict:
@@ -256,7 +256,7 @@ def _draw_series(ax, s: Series, look: _Look, markers: bool, dx: float, depth: li
     pts = sorted(s.points, key=lambda p: p.x)
     x, y = np.array([p.x for p in pts]), np.array([p.y for p in pts])
     lo, hi = (np.array([np.nan if v is None else v for v in vals]) for vals in zip(*((p.lo, p.hi) for p in pts)))
-    colour, marker = look.of(s)
+    colour, marker = look.of(s, markers)
     kw = _line_kw(s, colour, marker, markers)
     ax.plot(x, y, **{**kw, "marker": ""})
     d = np.asarray(depth)
