@@ -15,6 +15,7 @@ import torch
 from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attention_mask, extend, is_plain_causal,
                                   reference_attention)
 from decodelab.cache.kernels.paged import dense_as_pool
+from decodelab.cache.static import StaticPlan
 from decodelab.cache.tree import Tree, tree_visible
 
 
@@ -104,12 +105,22 @@ class DenseCache(KVCache):
 
     def attend(self, layer, q, k, v, plan: DensePlan):
         """Write k, v [B, Hkv, T, D] at their positions; attend q [B, Hq, T, D] over the
-        slots the plan reads in the layer's window."""
+        slots the plan reads in the layer's window (a compiled step's `StaticPlan`: over
+        every slot, masked by position)."""
+        if isinstance(plan, StaticPlan):
+            return plan.call(self._attend_static, layer, q, k, v, plan)
         self._write(layer, k, v, plan)
         sp = plan.spans[self.layout.windows[layer]]
         keys, values = self._held(self.k[layer], sp.lo, sp.hi, plan), self._held(self.v[layer], sp.lo, sp.hi, plan)
         return reference_attention(q, keys, values, sp.mask, self.layout.softmax_scale, self.layout.softcap,
                                    sp.causal)
+
+    def _attend_static(self, layer, q, k, v, plan: StaticPlan):
+        """The compiled step: the row-major buffers in place on a CPU (traced with the model),
+        the buffers read as block pools by the paged kernel on CUDA."""
+        if plan.traced:
+            return plan.attend_rows(layer, q, k, v, self.k[layer], self.v[layer])
+        return plan.attend_pools(layer, q, k, v)
 
     def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Slots are positions: copy each layer's slots src -> dst of the row."""

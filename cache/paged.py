@@ -32,6 +32,7 @@ from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attent
                                   is_plain_causal, reference_attention)
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
+from decodelab.cache.static import StaticPlan
 from decodelab.cache.tree import tree_visible
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 
@@ -353,7 +354,10 @@ class PagedCache(KVCache):
 
     def attend(self, layer, q, k, v, plan: PagedPlan):
         """Write the valid new k, v [B, Hkv, T, D] into the rows' blocks, then attend q
-        [B, Hq, T, D] over the gathered keys of the layer's window."""
+        [B, Hq, T, D] over the gathered keys of the layer's window (a compiled step's
+        `StaticPlan`: through the block table, every block a row maps)."""
+        if isinstance(plan, StaticPlan):
+            return plan.call(plan.attend_pools, layer, q, k, v)
         D = self.layout.head_dim
         for flat, new in ((self._kflat[layer], k), (self._vflat[layer], v)):
             src = new.transpose(1, 2).reshape(-1, D)  # [B * T * Hkv, D]

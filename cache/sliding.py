@@ -36,6 +36,7 @@ import torch
 
 from decodelab.cache.base import CacheLayout, KVCache, attention_mask, extend, is_plain_causal, reference_attention
 from decodelab.cache.dense import DenseCache, DensePlan
+from decodelab.cache.static import StaticPlan
 from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
 
@@ -305,6 +306,8 @@ class SlidingCache(DenseCache):
         """Store k, v [B, Hkv, T, D] and return attention of q [B, Hq, T, D] over the
         row's visible keys (ring layers: dense's span, gathered from the ring and k, v)."""
         ring = self._rings[layer]
+        if isinstance(plan, StaticPlan):
+            return plan.call(self._attend_static, layer, q, k, v, plan)
         if ring is None:
             return super().attend(layer, q, k, v, plan)
         writes, r = plan.rings[ring], plan.ring_reads[ring, self._windows[layer]]
@@ -317,6 +320,14 @@ class SlidingCache(DenseCache):
         if not plan.write_first:
             self._ring_write(layer, writes, k, v)
         return out
+
+    def _attend_static(self, layer, q, k, v, plan: StaticPlan):
+        """The compiled step: a ring layer over its ring, by the positions its slots hold; a
+        full layer over its row-major buffer, as dense on a CPU."""
+        ring = self._rings[layer]
+        if ring is None:
+            return plan.attend_rows(layer, q, k, v, self.k[layer], self.v[layer])
+        return plan.attend_ring(ring, self._windows[layer], q, k, v, self.k[layer], self.v[layer])
 
     def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy positions src -> dst of a row: full layers by slot = position, ring layers
@@ -377,6 +388,20 @@ class SlidingCache(DenseCache):
             sp.fill_(-1)
 
     # -- capabilities (cache/base.py) ------------------------------------------------
+    def static_plan(self, tokens: int = 1, impl: str = "auto") -> StaticPlan:
+        """The compiled step's plan: rings read by the positions their slots hold (the
+        cache's own slot positions, which `plan` books before each step), full layers as
+        dense. A step writes its tokens before attending, so it spans at most rollback + 1
+        positions (older keys its first query needs would be overwritten)."""
+        if all(r is None for r in self._rings):
+            return super().static_plan(tokens, impl)
+        if tokens > self.rollback + 1:
+            raise self.refusal(f"run a compiled step of {tokens} tokens per row",
+                               f"its rings keep rollback + 1 = {self.rollback + 1} positions beyond the window; "
+                               f"build it with rollback >= {tokens - 1}")
+        return StaticPlan(self.layout, self.batch_size, self.capacity, tokens, impl, rings=self.slot_pos,
+                          sinks=self.sink_tokens)
+
     def static_view(self):
         """Dense's view when no layer has a ring (every layer is full storage); else refused."""
         if all(r is None for r in self._rings):

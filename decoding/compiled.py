@@ -1,5 +1,5 @@
-"""A static-shape decode step: one token per row through a dense or paged cache at fixed
-shapes, so that one compiled (and, on CUDA, captured) forward serves every step.
+"""A static-shape decode step: T tokens per row through a cache at fixed shapes, so that
+one compiled (and, on CUDA, captured) forward serves every step.
 
 On CUDA it is captured once as a CUDA graph (optionally torch.compile'd first) and
 replayed, so that small models are not bound by kernel-launch overhead. On a CPU it is
@@ -8,24 +8,18 @@ torch.compile'd (inductor) as one graph and called each step (`generate(compile=
 (norms, RoPE, residuals, the MLP's gate) that the eager forward runs one by one, and the
 quantized projections' bf16 casts with them.
 
-Why a separate path: the caches' own `plan` / `attend` plan every forward on the host
-(Python ints, key spans that grow with the context). That is right for the reference,
-but a graph replays fixed device work. So the host still does the bookkeeping that must
-happen, `cache.plan` (lengths, the paged block allocation), before each step; inside
-the graph `StaticAttention` stands in for the cache: it writes the new K/V at device-side
-positions and attends over storage of fixed shape, the whole capacity, masked by each
-row's length (on a CPU, a dense fp32 cache: a native kernel that reads only the slots each
-query sees, `NATIVE_ATTENTION`). The storage comes from the cache's `static_view()` (cache/base.py):
-per-layer block pools and a block table (a dense cache reads as a pool of blocks of its
-own rows, an identity table), which the block-table kernel (cache/kernels/paged.py) reads
-on CUDA with a fixed split-K count; on a CPU a dense cache's buffers are read row-major
-as they are, a paged pool through its table (the kernel's torch reference). Shapes never
-change, so one compile serves every step of that model, batch and capacity
-(`static_capacity` rounds capacities up so that nearby lengths share it).
+The step runs the same model forward over the same cache as an eager step; only its plan
+differs. Before each step the host books it (`cache.plan`: lengths, a paged row's new
+block, a ring's slot positions) and loads the positions into the cache's `static_plan`
+(cache/static.py), a plan of fixed-shape device buffers; inside the graph every layer's
+`cache.attend(layer, q, k, v, plan)` takes that plan and attends over the backend's whole
+storage, masked by position. Shapes never change, so one compile serves every step of
+that model, batch and capacity (`static_capacity` rounds capacities up so that nearby
+lengths share it).
 
-Which caches can: those whose `static_view()` succeeds (dense and paged); the others
-refuse with their reason (int4: per-row stores that grow on the host; sliding: a
-host-side ring plan), collected by `static_problems` before anything is built.
+Which caches can: those whose `static_plan` succeeds (dense, paged and sliding); the
+others refuse with their reason (int4: per-row stores that grow on the host), collected
+by `static_problems` before anything is built.
 """
 
 from __future__ import annotations
@@ -40,19 +34,16 @@ from pathlib import Path
 
 import torch
 
-from decodelab.cache.base import reference_attention
-from decodelab.cache.kernels.dispatch import resolve_impl, split_count
-from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
 from decodelab.models.errors import SetupError
 
 MODES = ("eager", "graph", "compile")
 
 
-def static_problems(cache, mode: str) -> list[str]:
+def static_problems(cache, mode: str, tokens: int = 1) -> list[str]:
     """Every reason the static decode step cannot run this cache in this mode."""
     p = []
-    try:  # the cache says whether it has fixed-shape storage, and why not
-        cache.static_view()
+    try:  # the cache says whether it has a fixed-shape plan, and why not
+        cache.static_plan(tokens)
     except SetupError as e:
         p += e.reasons
     if mode not in MODES:
@@ -60,132 +51,6 @@ def static_problems(cache, mode: str) -> list[str]:
     elif mode == "graph" and cache.layout.device.type != "cuda":
         p.append("mode=graph captures a CUDA graph: it needs the cache on a CUDA device (use mode=eager)")
     return p
-
-
-class StaticAttention:
-    """The cache as the captured forward sees it: fixed shapes, device-side positions.
-
-    On CUDA the cache writes and the attention kernel stay outside torch.compile's graph
-    (opaque calls the CUDA graph captures). On a CPU nothing is captured, so they are
-    traced with the model into one graph: a dense cache's buffers are written and read
-    in place, row-major ([B, Hkv, S, D], no block gather), over the whole capacity with
-    each row's length as a mask, or, for an fp32 cache where decodelab's native kernels
-    build, by `decodelab::decode_attention` over only the slots each query sees."""
-
-    def __init__(self, cache, impl: str = "auto", tokens: int = 1):
-        lay, B = cache.layout, cache.batch_size
-        self.layout, dev = lay, lay.device
-        self.storage = cache.static_view()  # per-layer pools [Hkv, N, bs, D] and a block table [B, M]
-        self.attn = paged_attention_triton if resolve_impl(impl, dev) == "triton" else paged_attention_reference
-        self.pos = torch.zeros(B, tokens, dtype=torch.long, device=dev)  # [B, T] input: each row's next positions
-        keys = self.storage.table.shape[1] * self.storage.block_size  # positions the table addresses
-        self.splits = split_count(B * lay.n_kv_heads, keys, dev)
-        self.heads = torch.arange(lay.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
-        self.traced = dev.type == "cpu"  # traced with the model (see the class docstring)
-        self.batch_rows = torch.arange(B, device=dev)[:, None]  # [B, 1]
-        self.kpos = torch.arange(cache.capacity, device=dev)  # [S] every slot of a row-major buffer
-        # per-forward state, written in place by `begin` (a traced step then has no Python side effects:
-        # its graph's one output is the logits, which `StaticDecoder` can replay without dynamo)
-        self.native = native_attention_serves(cache)  # decodelab::decode_attention for a dense cache on a CPU
-        self.kv_len = torch.zeros(B, dtype=torch.int32, device=dev)
-        if not self.traced:  # torch.compile (mode=compile on CUDA) fuses the model around these; the cache
-            # writes stay plain in-place ops (a traced one would copy whole layers). Bound here, not as
-            # decorators: `torch.compiler.disable` imports torch._dynamo, which nothing eager should pay for
-            self._begin_opaque = torch.compiler.disable(self._begin)
-            self._attend_opaque = torch.compiler.disable(self._attend)
-        self.blk = torch.zeros(B, tokens, dtype=torch.long, device=dev)
-        self.off = torch.zeros(B, tokens, dtype=torch.long, device=dev)
-
-    def refresh(self) -> None:
-        """Host -> device: the block table after `cache.plan` allocated blocks."""
-        self.storage.refresh()
-
-    def begin(self) -> None:
-        """Per forward, on the device: lengths and the new tokens' storage slots per (row, head)."""
-        self._begin() if self.traced else self._begin_opaque()
-
-    def _begin(self) -> None:
-        pos = self.pos  # [B, T]
-        self.kv_len.copy_(pos[:, -1] + 1)  # the new tokens are written before attention
-        bs = self.storage.block_size
-        self.blk.copy_(self.storage.table.gather(1, pos // bs))  # [B, T]
-        self.off.copy_(pos % bs)  # [B, T]
-
-    def plan(self, positions, valid=None, rows=None) -> None:
-        """Nothing: the host bookkeeping ran in `cache.plan` before the step, and the
-        step's device-side plan is this object's own fixed buffers (`begin`)."""
-
-    def attend(self, layer, q, k, v, plan=None):
-        """Write k, v [B, Hkv, T, D] at each row's positions; attend q [B, Hq, T, D]."""
-        if not self.traced:
-            return self._attend_opaque(layer, q, k, v)
-        if self.storage.rows_k is not None:
-            return self._attend_rows(layer, q, k, v)
-        return self._attend(layer, q, k, v)
-
-    def _attend(self, layer, q, k, v):
-        k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]  # [Hkv, N, bs, D]
-        for pool, new in ((k_pool, k), (v_pool, v)):
-            pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
-        lay = self.layout
-        return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
-                         lay.windows[layer], lay.softcap, self.splits)
-
-    def _attend_rows(self, layer, q, k, v):
-        """The row-major buffers [B, Hkv, S, D] of a dense cache, in place; a key is seen
-        where its slot is at or before the row's position (and inside the layer's window):
-        causal within the new tokens too. The native kernel reads only those slots; the
-        torch path reads every slot, masked."""
-        at = (self.batch_rows[:, :, None], self.heads[..., None], self.pos[:, None])  # -> [B, Hkv, T]
-        keys, values = self.storage.rows_k[layer], self.storage.rows_v[layer]
-        keys.index_put_(at, k)
-        values.index_put_(at, v)
-        lay, w, qpos = self.layout, self.layout.windows[layer], self.pos[..., None]  # [B, T, 1]
-        if self.native:  # reads only the slots each query sees, not the whole capacity
-            return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale, w or 0)
-        seen = self.kpos <= qpos  # [B, T, S]
-        if w is not None:
-            seen = seen & (self.kpos > qpos - w)
-        if lay.softcap is None and q.device.type == "cpu":
-            return grouped_attention(q, keys, values, seen, lay.softmax_scale)
-        return reference_attention(q, keys, values, seen[:, None], lay.softmax_scale, lay.softcap)
-
-
-#: a dense cache's compiled CPU step attends through decodelab's native kernel where it
-#: serves (models/native.py: AVX2, fp32, head size a multiple of 8, no logit softcap):
-#: it reads only the slots each query sees, where `grouped_attention` reads the whole
-#: capacity (SmolLM2, 291 of 321 slots: 35 us a layer against 116, 2 Zen 3 cores)
-NATIVE_ATTENTION = True
-
-
-def native_attention_serves(cache) -> bool:
-    """Whether a compiled CPU step over `cache` attends through decodelab::decode_attention."""
-    lay = cache.layout
-    if not (NATIVE_ATTENTION and lay.device.type == "cpu" and lay.dtype == torch.float32 and lay.softcap is None
-            and lay.head_dim % 8 == 0):
-        return False
-    from decodelab.models import native
-
-    if native.problem():
-        native.note_fallback("compiled decode steps' attention")
-    return native.problem() is None
-
-
-def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [B, Hq, T, D] over keys, values [B, Hkv, S, D] (GQA: query head h reads kv head
-    h // (Hq / Hkv)) where seen [B, T, S]: plain matmul, masked softmax (fp32), matmul,
-    which inductor fuses. On a CPU, SDPA's flash kernel costs about 280 us a call for one
-    query over 512 slots (SmolLM2, 2 AVX2 cores): most of a compiled decode step's
-    attention time, for a few thousand multiply-adds."""
-    B, Hq, T, D = q.shape
-    Hkv, S = keys.shape[1], keys.shape[2]
-    g = Hq // Hkv
-    qg = q.reshape(B, Hkv, g * T, D)  # a kv head's g query heads, T positions each
-    scores = (qg @ keys.transpose(-1, -2)).float() * scale  # [B, Hkv, g * T, S]
-    mask = seen[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-    return (probs @ values).reshape(B, Hq, T, D)
 
 
 class StaticDecoder:
@@ -200,32 +65,32 @@ class StaticDecoder:
 
     def __init__(self, model, cache, mode: str = "graph", impl: str = "auto", backend: str = "inductor",
                  tokens: int = 1):
-        p = static_problems(cache, mode)
+        p = static_problems(cache, mode, tokens)
         if p:
             raise SetupError(p)
         self.model, self.cache, self.mode, self.tokens = model, cache, mode, tokens
-        self.view = StaticAttention(cache, impl, tokens)
+        self.plan = cache.static_plan(tokens, impl)  # fixed device buffers, refilled before every step
         self.ids = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         fn = self._forward
         if mode == "compile":
             allow_recompiles()
             inductor_cache_dir()
-            if self.view.traced:  # on a CPU: a graph StaticDecoder can call without dynamo (_compiled_call)
+            if self.plan.traced:  # on a CPU: a graph StaticDecoder can call without dynamo (_compiled_call)
                 backend = replayable(backend)
             core = getattr(model, "model", model)  # a wrapper (the early-exit draft) holds the Transformer
-            if core.lm_head is None and self.view.traced:
+            if core.lm_head is None and self.plan.traced:
                 core.tied_head_t()  # the head copy the traced forward reads
             core.memoize_rope(cache.layout.device)  # memos filled before tracing: no guard on their state
             # on a CPU the whole step is one graph: a graph break is an error, never a silent slow path
-            fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=self.view.traced)
+            fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=self.plan.traced)
         self.fn, self.graph, self.logits = fn, None, None
         self.guarded = False  # a compiled step's first call evaluates every guard (_compiled_call)
         self.replay = None  # (compiled graph, its inputs) once a guarded call has run it (_compiled_call)
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        self.view.begin()
-        logits = self.model(self.ids, self.view.pos, self.view)  # [B, T, V]
+        self.plan.begin()
+        logits = self.model(self.ids, self.plan.pos, self.cache, plan=self.plan)  # [B, T, V]
         return logits[:, -1] if self.tokens == 1 else logits
 
     @torch.no_grad()
@@ -233,10 +98,9 @@ class StaticDecoder:
         """Feed last [B] (ids [B, T] with `tokens` T) at each row's next positions (from the
         cache's lengths); logits [B, V] ([B, T, V])."""
         pos = self.cache.lengths[:, None] + torch.arange(self.tokens)  # [B, T] host
-        self.cache.plan(pos)  # host bookkeeping: lengths, blocks (no attention runs here)
-        self.view.refresh()
+        self.cache.plan(pos)  # host bookkeeping: lengths, blocks, ring slots (no attention runs here)
+        self.plan.load(pos)
         self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)
-        self.view.pos.copy_(pos, non_blocking=True)
         if self.mode == "compile" and self.cache.layout.device.type != "cuda":
             return self._compiled_call()
         if self.cache.layout.device.type != "cuda" or self.mode == "eager":

@@ -1,6 +1,6 @@
 """The static decode step (decoding/compiled.py) against the plain decode step: same
-greedy tokens and logits on the CPU, for dense and paged caches, in eager mode and
-through torch.compile (backend=eager). The CUDA-graph mode runs in experiments/gpu_check."""
+greedy tokens and logits on the CPU, for dense, paged and sliding caches, in eager mode
+and through torch.compile (backend=eager). The CUDA-graph mode runs in experiments/gpu_check."""
 
 from __future__ import annotations
 
@@ -41,11 +41,16 @@ def static(model, cache, n: int, **kw):
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("backend", ["dense", "paged"])
+# sliding: a 6-token window with 2 sinks imposed on every layer, so that the rings wrap
+FACTORIES = {"dense": None, "paged": partial(PagedCache, block_size=4),
+             "sliding": partial(SlidingCache, window=6, sinks=2, rollback=3)}
+
+
+@pytest.mark.parametrize("backend", list(FACTORIES))
 @pytest.mark.parametrize("mode", ["eager", "compile"])
 def test_static_step_matches_plain_step(tiny_llama, backend, mode):
     model = tiny_llama.model
-    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    factory = FACTORIES[backend]
     make = (lambda: cache_for(model, 2, 40)) if factory is None else (lambda: cache_for(model, 2, 40, factory))
     want = plain(model, make(), 8)
     kw = dict(mode=mode, backend="eager") if mode == "compile" else dict(mode=mode)
@@ -169,13 +174,13 @@ def test_dense_as_pool_addresses_each_rows_positions():
 
 
 def test_unsupported_caches_and_modes_are_refused(tiny_llama, tiny_gemma):
-    """The cache's own refusal (its `static_view`), not a list of types, says why."""
+    """The cache's own refusal (its `static_plan`), not a list of types, says why."""
     model = tiny_llama.model
     with pytest.raises(SetupError, match="QuantizedCache backend cannot .* int4 grows per-row stores"):
         StaticDecoder(model, cache_for(model, 1, 32, partial(QuantizedCache, group_size=32)), mode="eager")
-    gemma = tiny_gemma.model  # windowed layers: sliding keeps rings
-    with pytest.raises(SetupError, match="SlidingCache backend cannot .* sliding plans its ring"):
-        StaticDecoder(gemma, cache_for(gemma, 1, 32, SlidingCache), mode="eager")
+    gemma = tiny_gemma.model  # windowed layers: sliding keeps rings of window + rollback (2) slots
+    with pytest.raises(SetupError, match="SlidingCache backend cannot run a compiled step of 4 tokens .* rollback >= 3"):
+        StaticDecoder(gemma, cache_for(gemma, 1, 32, partial(SlidingCache, rollback=2)), mode="eager", tokens=4)
     with pytest.raises(SetupError, match="CUDA"):
         StaticDecoder(model, cache_for(model, 1, 32), mode="graph")
     with pytest.raises(SetupError) as e:  # every reason at once
@@ -198,13 +203,13 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(g, "compiled_step", partial(g.compiled_step, backend="eager"))
 
 
-@pytest.mark.parametrize("backend", ["dense", "paged"])
+@pytest.mark.parametrize("backend", ["dense", "paged", "sliding"])
 def test_generate_compiled_equals_eager_every_family(tiny, backend, eager_backend):
     """Greedy and seeded sampling: token-identical with and without compile=True, on
     every tiny family (Gemma 3's windowed layers included: the dense buffers are masked
-    by each layer's window)."""
+    by each layer's window; sliding keeps rings for them, and plain storage elsewhere)."""
     model = tiny.model
-    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4), "sliding": SlidingCache}[backend]
     for make in (lambda: SamplingDecoder(temperature=0.0), lambda: SamplingDecoder(temperature=0.8, top_k=20, seed=3)):
         want = _gen(model, factory, make(), False)
         got = _gen(model, factory, make(), True)
@@ -232,12 +237,12 @@ def test_static_verify_step_matches_the_model_forward(tiny_llama):
     assert (a - b).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("backend", ["dense", "paged"])
+@pytest.mark.parametrize("backend", list(FACTORIES))
 def test_generate_compiled_with_inductor(tiny_llama, backend):
     """The real thing: inductor's CPU code, equal to the eager loop token for token, and a
     second generate of the same shapes reuses the compiled step (no new compile)."""
     model = tiny_llama.model
-    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    factory = FACTORIES[backend]
     want = _gen(model, factory, greedy(), False, n=12)
     first = _gen(model, factory, greedy(), True, n=12)
     again = _gen(model, factory, greedy(), True, n=12)
@@ -245,7 +250,7 @@ def test_generate_compiled_with_inductor(tiny_llama, backend):
     assert again.compile_s < first.compile_s / 5
 
 
-def test_generate_compile_refusals(tiny_llama, tiny_gemma):
+def test_generate_compile_refusals(tiny_llama):
     """compile=True with a decoder that verifies several tokens, or a cache with no fixed
     shape view: refused before any forward, every reason at once, the fix named."""
     from decodelab.decoding.drafters import PromptLookupDrafter
@@ -260,10 +265,6 @@ def test_generate_compile_refusals(tiny_llama, tiny_gemma):
     assert "compile=true compiles the one-token decode step" in msg and "draft.compile=true" in msg
     assert "compile=true: the QuantizedCache backend cannot" in msg
     assert int(cache.lengths.max()) == 0  # nothing ran
-    gemma = tiny_gemma.model
-    with pytest.raises(SetupError, match="compile=true: the SlidingCache backend cannot"):
-        generate(gemma, cache_for(gemma, 2, 40, SlidingCache), SamplingDecoder(temperature=0.0), PROMPTS, 4,
-                 compile=True)
 
 
 def test_compiled_capacity_rounds_only_where_the_rounded_cache_fits(tiny_llama):

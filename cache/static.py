@@ -1,0 +1,171 @@
+"""The fixed-shape plan of a compiled (or captured) decode step, and the fixed-shape
+attention the backends run on it.
+
+A compiled step replays the same device work every step, so its plan cannot be the
+host-built `Plan` of an eager forward (Python ints, key spans that grow with the
+context). `KVCache.static_plan(tokens)` gives a `StaticPlan` instead: device buffers of
+fixed shape, refilled in place before every step (`load`: this step's positions, and the
+host bookkeeping `cache.plan` just did, such as a paged block table or a ring's slot
+positions), from which the graph derives what it needs (`begin`: lengths, block slots).
+Each backend's `attend(layer, q, k, v, plan)` takes it like any plan and attends over its
+whole storage, masked by position: dense and sliding's full layers read their row-major
+buffers (on a CPU, for fp32, through decodelab's native kernel over only the slots each
+query sees), paged reads its block pools through the table, sliding's ring layers read
+their rings by the positions the slots hold. On CUDA the cache writes and the attention
+stay outside torch.compile's graph (opaque calls a CUDA graph captures); on a CPU they are
+traced with the model into one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodelab.cache.base import StaticView, reference_attention
+from decodelab.cache.kernels.dispatch import resolve_impl, split_count
+from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
+
+#: a dense buffer's compiled CPU step attends through decodelab's native kernel where it
+#: serves (models/native.py: AVX2, fp32, head size a multiple of 8, no logit softcap):
+#: it reads only the slots each query sees, where `grouped_attention` reads the whole
+#: capacity (SmolLM2, 291 of 321 slots: 35 us a layer against 116, 2 Zen 3 cores)
+NATIVE_ATTENTION = True
+
+
+def native_attention_serves(layout) -> bool:
+    """Whether a compiled CPU step over a cache of this layout attends its row-major
+    buffers through decodelab::decode_attention."""
+    if not (NATIVE_ATTENTION and layout.device.type == "cpu" and layout.dtype == torch.float32
+            and layout.softcap is None and layout.head_dim % 8 == 0):
+        return False
+    from decodelab.models import native
+
+    if native.problem():
+        native.note_fallback("compiled decode steps' attention")
+    return native.problem() is None
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """q [B, Hq, T, D] over keys, values [B, Hkv, S, D] (GQA: query head h reads kv head
+    h // (Hq / Hkv)) where seen [B, T, S]: plain matmul, masked softmax (fp32), matmul,
+    which inductor fuses. On a CPU, SDPA's flash kernel costs about 280 us a call for one
+    query over 512 slots (SmolLM2, 2 AVX2 cores): most of a compiled decode step's
+    attention time, for a few thousand multiply-adds."""
+    B, Hq, T, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    g = Hq // Hkv
+    qg = q.reshape(B, Hkv, g * T, D)  # a kv head's g query heads, T positions each
+    scores = (qg @ keys.transpose(-1, -2)).float() * scale  # [B, Hkv, g * T, S]
+    mask = seen[:, None, None].expand(B, 1, g, T, S).reshape(B, 1, g * T, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return (probs @ values).reshape(B, Hq, T, D)
+
+
+def masked_attention(q, keys, values, seen: torch.Tensor, layout) -> torch.Tensor:
+    """q [B, Hq, T, D] over keys, values [B, Hkv, S, D] where seen [B, T, S]: inductor's
+    fused `grouped_attention` on a CPU, the reference (softcap) elsewhere."""
+    if layout.softcap is None and q.device.type == "cpu":
+        return grouped_attention(q, keys, values, seen, layout.softmax_scale)
+    return reference_attention(q, keys, values, seen[:, None], layout.softmax_scale, layout.softcap)
+
+
+class StaticPlan:
+    """One fixed-shape decode plan: T new tokens per row of every row of the cache, at
+    device-side positions. Its tensors are allocated once and updated in place (`load` on
+    the host side of a step, `begin` inside it), so a graph that reads them replays."""
+
+    def __init__(self, layout, batch_size: int, capacity: int, tokens: int = 1, impl: str = "auto",
+                 storage: StaticView | None = None, rings: dict | None = None, sinks: int = 0):
+        dev = layout.device
+        self.layout, self.tokens, self.storage = layout, tokens, storage
+        self.traced = dev.type == "cpu"  # traced with the model (module docstring)
+        self.pos = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)  # [B, T] each step's positions
+        self.kv_len = torch.zeros(batch_size, dtype=torch.int32, device=dev)  # [B] once this step is written
+        self.heads = torch.arange(layout.n_kv_heads, device=dev)[None, :]  # [1, Hkv]
+        self.batch_rows = torch.arange(batch_size, device=dev)[:, None]  # [B, 1]
+        self.kpos = torch.arange(capacity, device=dev)  # [S] every slot of a row-major buffer
+        self.native = native_attention_serves(layout)
+        self.attn = paged_attention_triton if resolve_impl(impl, dev) == "triton" else paged_attention_reference
+        self.blk = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)  # [B, T] pool block of each token
+        self.off = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)  # [B, T] its offset there
+        self.splits = 1
+        if storage is not None and storage.table is not None:
+            keys = storage.table.shape[1] * storage.block_size  # positions the table addresses
+            self.splits = split_count(batch_size * layout.n_kv_heads, keys, dev)
+        # ring size -> (the cache's slot positions [B, slots] on the host, the graph's copy on the device)
+        self.rings = {r: (sp, sp if sp.device == dev else sp.to(dev)) for r, sp in (rings or {}).items()}
+        self.ring_slots = {r: torch.zeros(batch_size, tokens, dtype=torch.long, device=dev) for r in self.rings}
+        self.sinks = sinks
+        self._opaque = {}
+
+    def load(self, positions: torch.Tensor) -> None:
+        """Host -> device before a step, after `cache.plan` booked it: its positions [B, T]
+        and what that bookkeeping changed (the block table, ring slot positions)."""
+        self.pos.copy_(positions, non_blocking=True)
+        if self.storage is not None:
+            self.storage.refresh()
+        for host, dev in self.rings.values():
+            if dev is not host:
+                dev.copy_(host, non_blocking=True)
+
+    def begin(self) -> None:
+        """Per step, inside the graph: each row's length and the new tokens' storage slots."""
+        self.call(self._begin)
+
+    def _begin(self) -> None:
+        pos = self.pos  # [B, T]
+        self.kv_len.copy_(pos[:, -1] + 1)  # the new tokens are written before attention
+        if self.storage is not None and self.storage.table is not None:
+            bs = self.storage.block_size
+            self.blk.copy_(self.storage.table.gather(1, pos // bs))  # [B, T]
+            self.off.copy_(pos % bs)  # [B, T]
+        for ring, slots in self.ring_slots.items():  # sinks in place, later positions around the ring
+            slots.copy_(torch.where(pos < self.sinks, pos, self.sinks + (pos - self.sinks) % ring))
+
+    def call(self, fn, *args):
+        """fn(*args): traced with the model on a CPU; on CUDA an opaque call (bound once per
+        function: `torch.compiler.disable` imports torch._dynamo, which nothing eager pays for)."""
+        if self.traced:
+            return fn(*args)
+        if fn.__name__ not in self._opaque:
+            self._opaque[fn.__name__] = torch.compiler.disable(fn)
+        return self._opaque[fn.__name__](*args)
+
+    # -- the attentions the backends run on it --------------------------------------------
+    def attend_rows(self, layer: int, q, k, v, keys: torch.Tensor, values: torch.Tensor):
+        """Write k, v [B, Hkv, T, D] into row-major buffers [B, Hkv, S, D] (slot = position)
+        and attend q over every slot at or before each query's position, inside the layer's
+        window: the native kernel reads only those slots; the torch path reads every slot,
+        masked."""
+        at = (self.batch_rows[:, :, None], self.heads[..., None], self.pos[:, None])  # -> [B, Hkv, T]
+        keys.index_put_(at, k)
+        values.index_put_(at, v)
+        lay, w, qpos = self.layout, self.layout.windows[layer], self.pos[..., None]  # [B, T, 1]
+        if self.native:
+            return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale, w or 0)
+        seen = self.kpos[:keys.shape[2]] <= qpos  # [B, T, S]
+        if w is not None:
+            seen = seen & (self.kpos[:keys.shape[2]] > qpos - w)
+        return masked_attention(q, keys, values, seen, lay)
+
+    def attend_pools(self, layer: int, q, k, v):
+        """Write k, v into the storage's block pools [Hkv, N, bs, D] at this step's slots and
+        attend through the block table (the Triton kernel on CUDA, its torch reference)."""
+        k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]
+        for pool, new in ((k_pool, k), (v_pool, v)):
+            pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
+        lay = self.layout
+        return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
+                         lay.windows[layer], lay.softcap, self.splits)
+
+    def attend_ring(self, ring: int, window: int, q, k, v, keys: torch.Tensor, values: torch.Tensor):
+        """Write k, v into a ring [B, Hkv, slots, D] at the slots of this step's positions and
+        attend over the slots whose held position is at or before the query's, inside the
+        window or among the sinks (the slot positions, booked by `cache.plan`, already
+        hold this step's)."""
+        at = (self.batch_rows[:, :, None], self.heads[..., None], self.ring_slots[ring][:, None])  # [B, Hkv, T]
+        keys.index_put_(at, k)
+        values.index_put_(at, v)
+        held, qpos = self.rings[ring][1][:, None, :], self.pos[..., None]  # [B, 1, slots], [B, T, 1]
+        seen = (held >= 0) & (held <= qpos) & ((held > qpos - window) | (held < self.sinks))  # [B, T, slots]
+        return masked_attention(q, keys, values, seen, self.layout)
