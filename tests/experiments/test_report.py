@@ -160,11 +160,11 @@ def test_speculative_plot_skipped_without_counterpart(tmp_path, caplog):
 
 
 def test_cli_prints_table_and_paths(sweep):
-    r = subprocess.run([str(Path(sys.executable).parent / "decodelab-report"), str(sweep)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run([str(Path(sys.executable).parent / "decodelab-report"), str(sweep), "format=pdf"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "| speedup vs greedy |" in r.stdout and f"wrote {sweep / 'report.csv'}" in r.stdout  # data: stdout
-    assert (sweep / "speculative_vs_gamma.png").exists()
+    assert (sweep / "speculative_vs_gamma.png").exists() and f"wrote {sweep / 'speculative_vs_gamma.pdf'}" in r.stdout
 
 
 def test_every_entry_gets_its_table_and_bad_lines_are_skipped(tmp_path, caplog):
@@ -196,6 +196,11 @@ def test_cli_exits_2_without_finished_runs(tmp_path):
         assert r.returncode == 2, r.stderr
         assert str(target) in r.stderr and "results.jsonl" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "only" / "report.csv").exists()
+    write_run(tmp_path / "done" / "0", "c00000000002", "dense")
+    r = subprocess.run([sys.executable, "-m", "decodelab.experiments.report", str(tmp_path / "done"), "format=eps"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "format=eps: must be one of png, svg, pdf" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "done" / "report.csv").exists()  # refused before writing anything
 
 
 # -- load_results: every record as one DataFrame per kind ---------------------------------------
