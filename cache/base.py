@@ -251,6 +251,12 @@ class KVCache:
             self.lengths[sel] = new
         return Plan(pos, ok, sel, tree=tree)
 
+    def book(self, positions: torch.Tensor) -> None:
+        """A forward's host bookkeeping alone (lengths, blocks, ring slots, ...), for a
+        compiled step that attends through its own `static_plan`. Default: `plan`, whose
+        value is dropped."""
+        self.plan(positions)
+
     def _selection(self, rows, n: int) -> torch.Tensor | None:
         """`rows` as a [b] tensor of distinct cache rows for a forward of n rows (None: all
         rows, which n must equal); refused by backends that cannot serve a subset."""

@@ -67,6 +67,10 @@ class DenseCache(KVCache):
                       dev_rows=base.cache_rows(self.batch_size).to(dev)[:, None], rows_slice=rows_slice,
                       dev_positions=pos.to(dev), spans=spans)
 
+    def book(self, positions: torch.Tensor) -> None:
+        """The host bookkeeping alone (lengths), for a compiled step."""
+        KVCache.plan(self, positions)
+
     def _dense_windows(self) -> set:
         """The windows of the layers this backend attends over its dense buffers."""
         return set(self.layout.windows)

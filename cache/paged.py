@@ -201,20 +201,30 @@ class PagedCache(KVCache):
         copied where shared); plan its write indices and each window's reads. Raises
         PoolExhausted (a SetupError), with nothing changed, when the pool cannot supply
         the blocks."""
-        before = self.lengths
-        base = super().plan(positions, valid, rows, parents)
+        base = self._book(positions, valid, rows, parents)
         srows = base.cache_rows(self.batch_size)  # [b] cache rows
-        try:
-            self._claim(*self._targets(base.positions, base.valid, srows))
-        except SetupError:
-            self.lengths = before
-            raise
         wdst, wsrc = self._write_index(base.positions, base.valid, srows)
         # kernel-sized and causal: a prefill or a tree of drafts takes the reference
         decode = base.positions.shape[1] <= DECODE_QUERIES and base.tree is None
         kernel = self._kernel_inputs(base.positions, srows) if self.impl == "triton" and decode else None
         reads = {} if kernel is not None else {w: self._reads(base, srows, w) for w in set(self.layout.windows)}
         return extend(base, PagedPlan, wdst=wdst, wsrc=wsrc, reads=reads, kernel=kernel)
+
+    def book(self, positions: torch.Tensor) -> None:
+        """The host bookkeeping alone (lengths, blocks), for a compiled step."""
+        self._book(positions)
+
+    def _book(self, positions: torch.Tensor, valid=None, rows=None, parents=None) -> Plan:
+        """Lengths, then a private block slot for every valid position (refused, with the
+        lengths restored, when the pool cannot supply them); the base plan."""
+        before = self.lengths
+        base = super().plan(positions, valid, rows, parents)
+        try:
+            self._claim(*self._targets(base.positions, base.valid, base.cache_rows(self.batch_size)))
+        except SetupError:
+            self.lengths = before
+            raise
+        return base
 
     def _kernel_inputs(self, qpos: torch.Tensor, r: torch.Tensor) -> tuple:
         """The Triton kernel's per-forward arguments: block table [B, M], query positions

@@ -209,6 +209,20 @@ class SlidingCache(DenseCache):
         keys its layers read (dense's plan for the full layers)."""
         before = self.lengths
         base = super().plan(positions, valid, rows, parents)
+        pos = base.positions  # [B, T]
+        write_first, rings = self._book_rings(base, before)
+        pairs = {(r, w) for r, w in zip(self._rings, self._windows) if r is not None}
+        reads = {(r, w): self._read(pos, r, w, write_first, rings[r].was_empty, base.tree) for r, w in sorted(pairs)}
+        return extend(base, SlidingPlan, write_first=write_first, rings=rings, ring_reads=reads)
+
+    def book(self, positions: torch.Tensor) -> None:
+        """The host bookkeeping alone (lengths, ring slot positions), for a compiled step."""
+        before = self.lengths
+        self._book_rings(KVCache.plan(self, positions), before)
+
+    def _book_rings(self, base, before: torch.Tensor) -> tuple[bool, dict]:
+        """Refuse a rewind past the rings, advance each ring's slot positions of the rows the
+        forward feeds; whether its ring layers write first, and each ring's `RingPlan`."""
         pos, ok = base.positions, base.valid  # [B, T] each
         first = torch.where(ok, pos, self.capacity).min(1).values  # [B] a row replaces what it held from here
         last = torch.where(ok, pos, -1).max(1).values  # [B]
@@ -217,10 +231,7 @@ class SlidingCache(DenseCache):
         self._high = torch.maximum(self._high, self.lengths)
         span = int((pos.max(1).values - pos.min(1).values).max())
         write_first = bool(ok.all()) and span <= self.rollback
-        rings = {r: self._ring_plan(sp, fed, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
-        pairs = {(r, w) for r, w in zip(self._rings, self._windows) if r is not None}
-        reads = {(r, w): self._read(pos, r, w, write_first, rings[r].was_empty, base.tree) for r, w in sorted(pairs)}
-        return extend(base, SlidingPlan, write_first=write_first, rings=rings, ring_reads=reads)
+        return write_first, {r: self._ring_plan(sp, fed, r, pos, ok, first, last) for r, sp in self.slot_pos.items()}
 
     def _dense_windows(self) -> set:
         """Only the layers without a ring attend densely (window None)."""

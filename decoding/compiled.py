@@ -98,7 +98,7 @@ class StaticDecoder:
         """Feed last [B] (ids [B, T] with `tokens` T) at each row's next positions (from the
         cache's lengths); logits [B, V] ([B, T, V])."""
         pos = self.cache.lengths[:, None] + torch.arange(self.tokens)  # [B, T] host
-        self.cache.plan(pos)  # host bookkeeping: lengths, blocks, ring slots (no attention runs here)
+        self.cache.book(pos)  # host bookkeeping: lengths, blocks, ring slots (no attention runs here)
         self.plan.load(pos)
         self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)
         if self.mode == "compile" and self.cache.layout.device.type != "cuda":
