@@ -76,10 +76,11 @@ class ModelDrafter:
                     "use a draft made for the target's tokenizer"]
         return []
 
-    def begin(self, prompts: list[list[int]], capacity: int) -> None:
+    def begin(self, prompts: list[list[int]], capacity: int, compile: bool = False) -> None:
         """A draft cache as large as the target's, prefilled with the prompts (the shared prefill);
         one the draft model cannot hold is refused naming the draft, before any prefill. With
-        `compile`, the draft step is compiled first (once per shape in a process)."""
+        `compile` (the drafter's own option, or the run's `compile`), the draft step is
+        compiled first (once per shape in a process)."""
         try:  # make_cache checks before it allocates; its reasons are the draft's
             self.cache = make_cache(self.model, len(prompts), capacity, self.cache_factory)
             if self.cache.rollback_limit < self.lookahead:  # before any compile
@@ -87,7 +88,7 @@ class ModelDrafter:
                                  f"tokens but gamma {self.lookahead} needs {self.lookahead}; lower gamma or give the "
                                  "draft another cache (draft.cache)")
             self.static, self.compile_s = None, 0.0
-            if self.compile:
+            if self.compile or compile:
                 t = time.perf_counter()
                 self.static = compiled_step(self.model, self.cache)
                 self.compile_s = time.perf_counter() - t
@@ -179,7 +180,8 @@ class PromptLookupDrafter:
         self.vocab_size = target.cfg.vocab_size
         return p
 
-    def begin(self, prompts: list[list[int]], capacity: int) -> None:
+    def begin(self, prompts: list[list[int]], capacity: int, compile: bool = False) -> None:
+        """The prompts are the history it looks up in (it has no model step to compile)."""
         self.history = [list(p) for p in prompts]
 
     def admit(self, row: int, tokens: list[int]) -> None:

@@ -150,12 +150,15 @@ def argument_type_problems(model, cache, decoder) -> list[str]:
 
 
 def compile_problems(cache, decoder) -> list[str]:
-    """Why `compile=True` cannot serve this cache and decoder (empty when it can)."""
-    p = [] if getattr(decoder, "takes_compiled_step", False) else [
-        "compile=true compiles the one-token decode step of plain decoding (decoder=greedy or sampling); this "
-        "decoder feeds several tokens per step (a speculative verify, which compiled runs slower on a CPU than "
-        "eager oneDNN's): use compile=false, and compile a model drafter's steps with draft.compile=true"]
-    return p + [f"compile=true: {r}" for r in static_problems(cache, "compile")]
+    """Why `compile=True` cannot serve this cache and decoder (empty when it can): a plain
+    decoder's one-token step runs compiled over `cache`; a speculative decoder compiles its
+    drafter's steps (their cache checked where it is built) and verifies eagerly."""
+    if getattr(decoder, "compiles_drafter", False):
+        return []
+    if not getattr(decoder, "takes_compiled_step", False):
+        return [f"compile=true: {type(decoder).__name__} declares no step that compiles (takes_compiled_step or "
+                "compiles_drafter); use compile=false"]
+    return [f"compile=true: {r}" for r in static_problems(cache, "compile")]
 
 
 def _length(ids) -> int:
@@ -251,13 +254,14 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
     """The loop of `stream_tokens` (its inputs checked): prefill, then one decoder step
     per round until every row has stopped; the kept tokens' events after each round."""
     forward, compile_s = {}, 0.0
-    if compile:
+    if compile and not getattr(decoder, "compiles_drafter", False):
         t = time.perf_counter()
         forward = {"forward": compiled_step(model, cache).step}
         compile_s = time.perf_counter() - t
     t0 = t_start + compile_s if t_start is not None else time.perf_counter()
     cache.reset()
-    decoder.begin(model.device, prompts, cache.capacity)
+    decoder.begin(model.device, prompts, cache.capacity, **({"compile": True} if compile and getattr(
+        decoder, "compiles_drafter", False) else {}))
     begin_compile = getattr(decoder, "compile_s", 0.0)  # a drafter's compiled step, compiled in `begin`
     t0, compile_s = t0 + begin_compile, compile_s + begin_compile
     rows = _Rows(len(prompts), max_new_tokens, eos, stop, tokenizer, detokenize, t0)
@@ -294,9 +298,11 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     end a row at the text before them; `on_token(row, token_id, text)` streams tokens as
     they come (`stream_tokens` is this loop as an iterator of events).
     `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
-    before the prefill (once per model, batch and cache capacity in a process); that time,
-    and a drafter's own compile (`draft.compile`), is `compile_s`, and the token times
-    leave it out (they count from `t_start` plus it)."""
+    before the prefill (once per model, batch and cache capacity in a process); with a
+    speculative decoder it compiles a draft model's one-token steps instead (its verify
+    stays eager: `SpeculativeDecoder.compiles_drafter`). That time, and a drafter's own
+    compile (`draft.compile`), is `compile_s`, and the token times leave it out (they count
+    from `t_start` plus it)."""
     events = stream_tokens(model, cache, decoder, prompts, max_new_tokens, eos_ids=eos_ids, stop=stop,
                            tokenizer=tokenizer, prefill_chunk=prefill_chunk, t_start=t_start,
                            tokenize_s=tokenize_s, compile=compile, detokenize=on_token is not None)

@@ -177,6 +177,10 @@ class SpeculativeDecoder:
 
     needs_drafter = True  # the `draft` config group builds it
     lossless_at_temperature_0 = True  # greedy verification keeps the target's argmax
+    #: generate's compile=True compiles the drafter's one-token steps (a draft model's); the
+    #: verify stays on oneDNN's multi-row kernels, which a compiled T-token step does not beat
+    #: on a CPU (SmolLM2, 5 tokens: 22 ms eager against 50 ms compiled; experiments/README.md)
+    compiles_drafter = True
 
     def __init__(self, drafter, gamma: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int = 0, adaptive: bool = False, gamma_min: int = 1,
@@ -219,13 +223,15 @@ class SpeculativeDecoder:
         """Seconds the last `begin` spent compiling the drafter's step (0 without one)."""
         return getattr(self.drafter, "compile_s", 0.0)
 
-    def begin(self, device: torch.device, prompts: list[list[int]], capacity: int) -> None:
+    def begin(self, device: torch.device, prompts: list[list[int]], capacity: int, compile: bool = False) -> None:
+        """Fresh generator and statistics; the drafter starts from the prompts (`compile`:
+        a draft model's one-token steps compiled first)."""
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
         self.gamma = self.gamma0
         self._stats = SpeculativeStats(self.gamma_max, rows=len(prompts))
         if hasattr(self.drafter, "lookahead"):  # a draft with a cache of its own rolls back up to gamma_max
             self.drafter.lookahead = self.gamma_max
-        self.drafter.begin(prompts, capacity)
+        self.drafter.begin(prompts, capacity, compile=compile)
 
     def start(self, logits: torch.Tensor) -> torch.Tensor:
         from decodelab.decoding.sampling import choose

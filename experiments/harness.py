@@ -265,9 +265,10 @@ def check(cfg: DictConfig) -> None:
     draft_compile = draft.get("compile")
     if draft_compile is not None and not isinstance(draft_compile, bool):
         reasons.append(f"draft.compile must be true or false, got {draft_compile!r}")
-    elif draft_compile and draft_probe is not None:
+    elif (draft_compile or (draft_compile is not None and cfg.get("compile") is True)) and draft_probe is not None:
         hint = "" if draft.get("cache") is not None else " (or give the draft a cache of its own: draft.cache=dense)"
-        reasons += [f"draft.compile=true: {r}{hint}" for r in static_problems(draft_probe, "compile")]
+        key = "draft.compile=true" if draft_compile else "compile=true (which compiles the draft's steps)"
+        reasons += [f"{key}: {r}{hint}" for r in static_problems(draft_probe, "compile")]
     lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0
     if probe is not None and lookahead and probe.rollback_limit < lookahead:
         reasons.append(f"cache {cfg.cache._target_} can roll back {probe.rollback_limit} tokens but the decoder's "

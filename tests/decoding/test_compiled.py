@@ -251,20 +251,28 @@ def test_generate_compiled_with_inductor(tiny_llama, backend):
 
 
 def test_generate_compile_refusals(tiny_llama):
-    """compile=True with a decoder that verifies several tokens, or a cache with no fixed
-    shape view: refused before any forward, every reason at once, the fix named."""
+    """compile=True with a cache that has no fixed-shape plan, or a decoder that declares
+    no step that compiles: refused before any forward, the fix named. A speculative
+    decoder verifies eagerly, so its target cache need not compile: prompt lookup (no
+    model step to compile) on int4 runs, token-identical to compile=False."""
     from decodelab.decoding.drafters import PromptLookupDrafter
     from decodelab.decoding.speculative import SpeculativeDecoder
 
     model = tiny_llama.model
-    spec = SpeculativeDecoder(PromptLookupDrafter(), gamma=2)
-    cache = cache_for(model, 2, 40, partial(QuantizedCache, group_size=32))
-    with pytest.raises(SetupError) as e:
-        generate(model, cache, spec, PROMPTS, 4, compile=True)
-    msg = str(e.value)
-    assert "compile=true compiles the one-token decode step" in msg and "draft.compile=true" in msg
-    assert "compile=true: the QuantizedCache backend cannot" in msg
+    int4 = partial(QuantizedCache, group_size=32)
+    cache = cache_for(model, 2, 40, int4)
+    with pytest.raises(SetupError, match="compile=true: the QuantizedCache backend cannot"):
+        generate(model, cache, greedy(), PROMPTS, 4, compile=True)
     assert int(cache.lengths.max()) == 0  # nothing ran
+
+    class OwnDecoder(SamplingDecoder):
+        takes_compiled_step = False
+
+    with pytest.raises(SetupError, match="OwnDecoder declares no step that compiles"):
+        generate(model, cache_for(model, 2, 40), OwnDecoder(), PROMPTS, 4, compile=True)
+    runs = [generate(model, cache_for(model, 2, 40, int4), SpeculativeDecoder(PromptLookupDrafter(), gamma=2),
+                     PROMPTS, 8, compile=c) for c in (False, True)]
+    assert runs[0].tokens == runs[1].tokens and runs[1].compile_s == 0.0
 
 
 def test_compiled_capacity_rounds_only_where_the_rounded_cache_fits(tiny_llama):

@@ -284,9 +284,12 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
         builders["int8-self"] = lambda c: quantized_self(tiny, "int8", cache=draft_cache, compile=c)
     for name, build in builders.items():
         runs = [generate(m, cache(), SpeculativeDecoder(build(c), gamma=3), prompts, 20) for c in (False, True)]
-        assert runs[0].tokens == runs[1].tokens == plain.tokens, name
+        # the run's compile=True compiles an uncompiled drafter's steps (the verify stays eager)
+        runs.append(generate(m, cache(), SpeculativeDecoder(build(False), gamma=3), prompts, 20, compile=True))
+        assert runs[0].tokens == runs[1].tokens == runs[2].tokens == plain.tokens, name
         assert runs[1].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"], name
-        assert runs[1].compile_s > 0 and runs[0].compile_s == 0.0
+        assert runs[2].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"], name
+        assert runs[1].compile_s > 0 and runs[2].compile_s > 0 and runs[0].compile_s == 0.0
 
 
 def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, eager_draft_compile):
