@@ -25,12 +25,14 @@ by `static_problems` before anything is built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -75,14 +77,18 @@ class StaticDecoder:
         if mode == "compile":
             allow_recompiles()
             inductor_cache_dir()
-            if self.plan.traced:  # on a CPU: a graph StaticDecoder can call without dynamo (_compiled_call)
-                backend = replayable(backend)
+            self.private = torch_private() if self.plan.traced else None  # replay where the probe passed
+            options = None
+            if self.private is not None:  # on a CPU: a graph StaticDecoder can call without dynamo (_compiled_call)
+                backend = replayable(backend, self.private)
+            elif backend == "inductor" and self.plan.traced:
+                options = INDUCTOR_PATCHES  # torch.compile's public options: the same inductor config
             core = getattr(model, "model", model)  # a wrapper (the early-exit draft) holds the Transformer
             if core.lm_head is None and self.plan.traced:
                 core.tied_head_t()  # the head copy the traced forward reads
             core.memoize_rope(cache.layout.device)  # memos filled before tracing: no guard on their state
             # on a CPU the whole step is one graph: a graph break is an error, never a silent slow path
-            fn = torch.compile(fn, backend=backend, dynamic=False, fullgraph=self.plan.traced)
+            fn = torch.compile(fn, backend=backend, options=options, dynamic=False, fullgraph=self.plan.traced)
         self.fn, self.graph, self.logits = fn, None, None
         self.guarded = False  # a compiled step's first call evaluates every guard (_compiled_call)
         self.replay = None  # (compiled graph, its inputs) once a guarded call has run it (_compiled_call)
@@ -115,18 +121,17 @@ class StaticDecoder:
         guards in full (it compiles, or finds this shape's graph), and notes the compiled
         graph it ran and that graph's inputs: this step's own tensors (ids, positions, the
         cache's buffers, all updated in place) and the model's. Later calls call that graph
-        on those inputs directly: no guard evaluation (about 2 ms a step for SmolLM2's
-        hundreds of module tensors) and no frame bytecode, 1.2-1.7 ms of a 12 ms int4 step
-        (Zen 3). What the replay does not see: model state replaced after that first call
-        (modules swapped, a tied head's copy rebuilt after an in-place edit of the
-        embedding): build a new step after such an edit, or set `SKIP_GUARD_EVAL = False`.
-        Where the graph cannot be replayed so (more than the logits out, an input that is
-        not a tensor) or the caller set a stance of its own (force_eager, ...), later calls
-        go through dynamo with `skip_guard_eval_unsafe`: only the guards that tell this
-        process's compiled graphs apart. A guarded call that raises leaves the step
+        on those inputs directly: no guard evaluation and no frame bytecode (SmolLM2, Zen 5:
+        an int4 step 7.75 ms replayed against 9.08 ms through dynamo, fp32 26.1 against 27.0;
+        experiments/results/compile-paths). What the replay does not see: model state
+        replaced after that first call (modules swapped, a tied head's copy rebuilt after an
+        in-place edit of the embedding): build a new step after such an edit, or set
+        `SKIP_GUARD_EVAL = False`. Where the graph cannot be replayed so (more than the
+        logits out, an input that is not a tensor), the caller set a stance of its own
+        (force_eager, ...) or torch's internals failed `torch_private`'s probe, every call
+        goes through dynamo, guards and all. A guarded call that raises leaves the step
         unguarded: the next call is guarded in full again."""
-        now = torch._dynamo.eval_frame._stance  # the caller's stance (force_eager, ...), kept
-        if not self.guarded or not SKIP_GUARD_EVAL:
+        if not self.guarded or not SKIP_GUARD_EVAL or self.private is None:
             global _NOTING
             self.guarded, self.replay, _NOTING = False, None, True
             try:
@@ -137,12 +142,10 @@ class StaticDecoder:
             self.guarded = True  # only once a fully guarded call has returned
             self.replay = ran[0] if len(ran) == 1 and SKIP_GUARD_EVAL else None
             return out
-        if self.replay is not None and now.stance == "default" and now.backend is None:
+        if self.replay is not None and self.private.caller_mode() == ("default", None):
             graph, inputs = self.replay
             return graph(*inputs)[0]
-        kw = {"force_backend": now.backend} if now.backend is not None else {}
-        with torch.compiler.set_stance(now.stance, skip_guard_eval_unsafe=True, **kw):
-            return self.fn()
+        return self.fn()  # through dynamo: the caller's stance applies
 
     def _capture(self) -> None:
         """Warm up on a side stream (compiles kernels; rewrites this step's own K/V slot
@@ -163,14 +166,14 @@ _RAN: list[tuple] = []
 _NOTING = False  # whether they note it (during a guarded call only)
 
 
-def replayable(backend):
+def replayable(backend, private: "Private"):
     """`backend` (a torch.compile backend: a name or a callable) whose compiled graphs note
     in `_RAN`, when called, themselves and the inputs dynamo handed them, where that graph
     returns one output and takes only tensors: a step that can be replayed by calling it.
     One wrapper per backend (dynamo reuses a compiled graph only for the backend object
     that compiled it)."""
     if backend not in _REPLAYABLE:
-        _REPLAYABLE[backend] = _noting_backend(backend)
+        _REPLAYABLE[backend] = _noting_backend(private.inner_backend(backend))
     return _REPLAYABLE[backend]
 
 
@@ -183,15 +186,9 @@ _REPLAYABLE: dict = {}
 INDUCTOR_PATCHES = {"size_asserts": False, "alignment_asserts": False}
 
 
-def _noting_backend(backend):
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        def inner_backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, config_patches=INDUCTOR_PATCHES)
-    else:
-        inner_backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-
+def _noting_backend(inner_backend):
+    """A torch.compile backend: `inner_backend`'s compiled graph, wrapped to note itself and
+    its inputs in `_RAN` while `_NOTING` (a replayable graph only)."""
     def compile_noting(gm, example_inputs):
         compiled = inner_backend(gm, example_inputs)
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
@@ -206,11 +203,57 @@ def _noting_backend(backend):
     return compile_noting
 
 
+class Private(NamedTuple):
+    """What the replay takes from torch's internals (`torch_private`)."""
+
+    inner_backend: Callable  # a backend name or callable -> the compiler function dynamo calls
+    caller_mode: Callable[[], tuple]  # () -> (stance, forced backend) the caller set
+
+
+@functools.cache
+def torch_private() -> Private | None:
+    """THE one use of torch's private compile internals (tests/decoding/test_compiled.py
+    fails loudly when this probe fails): inductor's compiler function called with
+    `INDUCTOR_PATCHES` (a custom backend cannot pass torch.compile's `options`), a backend
+    looked up by name, and the stance the caller set (a replay must not bypass
+    `force_eager`). Probed once per process on the installed torch: a tiny function
+    compiled through the noting backend must note one graph whose replay gives what the
+    call gave. None where anything is missing or differs: steps then go through dynamo
+    every call (public APIs only, guards evaluated each step)."""
+    global _NOTING
+    try:
+        from torch._dynamo import eval_frame, lookup_backend
+        from torch._inductor.compile_fx import compile_fx
+
+        def inner_backend(backend):
+            if backend == "inductor":
+                return lambda gm, inputs: compile_fx(gm, inputs, config_patches=INDUCTOR_PATCHES)
+            return lookup_backend(backend) if isinstance(backend, str) else backend
+
+        def caller_mode() -> tuple:
+            return eval_frame._stance.stance, eval_frame._stance.backend
+
+        caller_mode()
+        probe = torch.compile(lambda x: x * 2 + 1, backend=_noting_backend(inner_backend("eager")), fullgraph=True)
+        x = torch.arange(3.0)
+        _NOTING = True
+        try:
+            with torch.compiler.set_stance("default"):  # whatever the caller set around the first step
+                out = probe(x)
+        finally:
+            ran, _NOTING = list(_RAN), False
+            _RAN.clear()
+        graph, inputs = ran[0]
+        ok = len(ran) == 1 and torch.equal(graph(*inputs)[0], out) and torch.equal(out, x * 2 + 1)
+    except Exception:  # noqa: BLE001 - any change in those internals means: do without them
+        return None
+    return Private(inner_backend, caller_mode) if ok else None
+
+
 #: compiled steps one process may hold (each model x batch x capacity compiles once)
 RECOMPILE_LIMIT = 64
-#: after a compiled CPU step's first call, call its compiled graph directly, or where it
-#: cannot, evaluate only the guards that tell this process's compiled graphs apart (False:
-#: through dynamo with every guard on every step, 1.2-1.7 ms a step slower)
+#: after a compiled CPU step's first call, call its compiled graph directly (False: through
+#: dynamo with every guard on every step, 1.3 ms a step slower for SmolLM2 int4, Zen 5)
 SKIP_GUARD_EVAL = True
 
 

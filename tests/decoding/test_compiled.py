@@ -321,16 +321,44 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
         assert got.tokens == want.tokens
 
 
+def test_torchs_private_compile_internals_pass_their_probe():
+    """The replay (a compiled CPU step called without dynamo, 15% of an int4 SmolLM2 step)
+    rests on torch internals (`torch_private`): on a torch where their probe fails, every
+    step goes through dynamo. This test is that failure, said loudly."""
+    from decodelab.decoding import compiled
+
+    assert compiled.torch_private() is not None, (
+        f"torch {torch.__version__} changed the internals decoding/compiled.py's torch_private uses "
+        "(inductor's compile_fx, dynamo's lookup_backend or its stance): compiled steps run through dynamo")
+
+
+def test_without_torchs_internals_a_step_compiles_through_public_apis(tiny_llama, monkeypatch):
+    """Where the probe fails, torch.compile's public options carry the inductor patches and
+    every call goes through dynamo: the same tokens as the eager loop, nothing replayed."""
+    from decodelab.decoding import compiled
+
+    monkeypatch.setattr(compiled, "torch_private", lambda: None)
+    model = tiny_llama.model
+    want = plain(model, cache_for(model, 2, 40), 6)
+    cache = cache_for(model, 2, 40)
+    first = prefill(model, cache, PROMPTS).argmax(-1)
+    dec, out = StaticDecoder(model, cache, mode="compile", backend="eager"), []
+    greedy_decode(lambda last: out.append(dec.step(last).clone()) or out[-1], first, 6)
+    assert dec.private is None and dec.replay is None
+    assert torch.equal(torch.stack(out, 1).argmax(-1), want.argmax(-1))
+
+
 def test_replayable_notes_only_graphs_it_can_replay():
     """The replay wrapper notes a graph (and its inputs) only during a guarded call and only
     where it returns one output from tensor inputs; a graph of two outputs runs through
     dynamo as before, never noted."""
     from decodelab.decoding import compiled
 
+    private = compiled.torch_private()
     x, y = torch.randn(3), torch.randn(3)
-    one = torch.compile(lambda: (x * 2 + y).sin(), backend=compiled.replayable("eager"), fullgraph=True)
-    two = torch.compile(lambda: (x * 2, y + 1), backend=compiled.replayable("eager"), fullgraph=True)
-    assert compiled.replayable("eager") is compiled.replayable("eager")  # one wrapper: dynamo's cache shared
+    one = torch.compile(lambda: (x * 2 + y).sin(), backend=compiled.replayable("eager", private), fullgraph=True)
+    two = torch.compile(lambda: (x * 2, y + 1), backend=compiled.replayable("eager", private), fullgraph=True)
+    assert compiled.replayable("eager", private) is compiled.replayable("eager", private)  # dynamo's cache shared
     one(), two()  # compiled, not noted (no guarded call in progress)
     assert compiled._RAN == []
     compiled._NOTING = True
