@@ -94,6 +94,19 @@ class SamplingDecoder:
         """A serving engine's request left cache row `row` (finished or preempted): nothing
         to do for plain decoding."""
 
+    # -- the KV a decoder holds beside the target's cache (a serving engine charges it) ----
+    def held_bytes(self, rows: list[int]) -> int:
+        """K/V bytes the decoder's own caches hold for these rows: none for plain decoding."""
+        return 0
+
+    def row_bytes(self, tokens: int) -> int:
+        """K/V bytes its own caches take for one row of `tokens` tokens: none here."""
+        return 0
+
+    def budget_bytes(self, batch_size: int, capacity: int) -> int:
+        """The most K/V bytes its own caches hold for a target cache of these sizes: none here."""
+        return 0
+
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
              left: int | None = None, forward=None) -> list[list[int]]:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from decodelab.cache.base import CacheLayout, planned_bytes
 from decodelab.cache.dense import DenseCache
 from decodelab.decoding.compiled import compiled_step
 from decodelab.decoding.prefill import prefill
@@ -111,6 +112,20 @@ class ModelDrafter:
         self.cache.release(row)
         self.pending[row] = []
 
+    def held_bytes(self, rows: list[int]) -> int:
+        """K/V bytes the draft cache holds for these rows (0 before `begin`)."""
+        return 0 if self.cache is None else self.cache.held_bytes(rows)
+
+    def row_bytes(self, tokens: int) -> int:
+        """K/V bytes the draft cache takes for one row of `tokens` tokens."""
+        if self.cache is not None:
+            return self.cache.row_bytes(tokens)
+        return planned_bytes(self.cache_factory, CacheLayout.of(self.model), 1, max(1, tokens))
+
+    def budget_bytes(self, batch_size: int, capacity: int) -> int:
+        """The draft cache a target cache of these sizes gets (`begin` builds it as large)."""
+        return planned_bytes(self.cache_factory, CacheLayout.of(self.model), batch_size, capacity)
+
     @torch.no_grad()
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, generator):
         """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
@@ -187,6 +202,16 @@ class PromptLookupDrafter:
     def admit(self, row: int, tokens: list[int]) -> None:
         """Start row `row` over with `tokens` (a serving engine admitted a request there)."""
         self.history[row] = list(tokens)
+
+    def held_bytes(self, rows: list[int]) -> int:
+        """Prompt lookup keeps token ids, no K/V."""
+        return 0
+
+    def row_bytes(self, tokens: int) -> int:
+        return 0
+
+    def budget_bytes(self, batch_size: int, capacity: int) -> int:
+        return 0
 
     def release(self, row: int) -> None:
         """Forget row `row`'s text (its request left)."""

@@ -47,11 +47,12 @@ is rejected on arrival with its reason; the others are served.
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen), each request keeping its own accepted drafts; a
 drafter starts an admitted request's row over (`admit`: a draft model prefills its own
-cache row). The draft model's cache is not charged to the KV budget.
+cache row). A draft model's cache is charged to the KV budget beside the target's (the
+decoder's `held_bytes` / `row_bytes`; the default budget is what both caches can hold).
 
 Why the static `generate` (decoding/generate.py) is not a thin call into the engine: it
-serves what the engine does not (stop strings and streaming text; chunked prefill of a whole static batch in one forward), and
-its prefill of a static batch is one padded forward where the engine runs each long
+serves what the engine does not (stop strings and streaming text; chunked prefill of a
+whole static batch in one forward), and its prefill of a static batch is one padded forward where the engine runs each long
 chunk as a segment of its own, so their logits differ by float summation order. Its
 greedy output is the engine's "all requests at t = 0" output (tests/decoding/test_engine.py
 checks it token for token).
@@ -170,12 +171,17 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
         p.append(f"max_running must be an integer >= 1, got {max_running!r}")
     if kv_budget_mb is not None and not kv_budget_mb > 0:
         p.append(f"kv_budget_mb must be > 0, got {kv_budget_mb!r}")
-    elif kv_budget_mb is not None and kv_budget_mb * 2**20 > cache.budget_bytes():
+    elif kv_budget_mb is not None and kv_budget_mb * 2**20 > total_budget(cache, decoder):
         p.append(f"kv_budget_mb={kv_budget_mb} is more than the cache can hold "
-                 f"({cache.budget_bytes() / 2**20:.2f} MiB): "
+                 f"({total_budget(cache, decoder) / 2**20:.2f} MiB, a draft's cache included): "
                  "build the cache larger (paged: num_blocks / memory_budget_mb; dense: batch x capacity) or lower "
                  "the budget")
     return p
+
+
+def total_budget(cache, decoder) -> int:
+    """K/V bytes the target cache and the decoder's own (a draft model's) can hold at most."""
+    return cache.budget_bytes() + decoder.budget_bytes(cache.batch_size, cache.capacity)
 
 
 class Engine:
@@ -192,7 +198,7 @@ class Engine:
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
         # default: what the cache can hold (dense: every row at capacity; paged: its pool; int4: rows at capacity)
-        self.kv_budget = cache.budget_bytes() if kv_budget_mb is None else int(kv_budget_mb * 2**20)
+        self.kv_budget = total_budget(cache, decoder) if kv_budget_mb is None else int(kv_budget_mb * 2**20)
         self.eos, self.headroom = set(eos_ids), headroom  # tokens per decoding row kept free at admission
 
     # -- checks --------------------------------------------------------------------
@@ -206,9 +212,9 @@ class Engine:
             if need > min(self.cache.capacity, self.model.cfg.max_seq_len):
                 p.append(f"prompt ({len(req.prompt)}) + max_new_tokens ({n}) = {need} tokens exceeds a cache row "
                          f"({self.cache.capacity}) or the model's context ({self.model.cfg.max_seq_len})")
-            elif self.cache.row_bytes(need) > self.kv_budget:
-                p.append(f"prompt + max_new_tokens = {need} tokens takes {self.cache.row_bytes(need)} bytes of KV, "
-                         f"more than the whole KV budget of {self.kv_budget} bytes")
+            elif self._row_bytes(need) > self.kv_budget:
+                p.append(f"prompt + max_new_tokens = {need} tokens takes {self._row_bytes(need)} bytes of KV (a "
+                         f"draft's included), more than the whole KV budget of {self.kv_budget} bytes")
         return "; ".join(p) or None
 
     # -- the loop ------------------------------------------------------------------
@@ -270,17 +276,23 @@ class Engine:
         else:
             res.finish_reason, res.error = "rejected", why
 
+    def _row_bytes(self, tokens: int) -> int:
+        """K/V bytes one row of `tokens` tokens takes: the target's and a draft's."""
+        return self.cache.row_bytes(tokens) + self.decoder.row_bytes(tokens)
+
     def _used(self, extra: dict[int, int] | None = None) -> int:
-        """KV bytes the running requests hold (shared storage once, `held_bytes`), plus the
-        rest of each prefilling request's prompt (reserved when it was admitted) and what
-        `extra` more tokens per decoding row would add (`row_bytes` growth: an upper bound)."""
+        """KV bytes the running requests hold (shared storage once, `held_bytes`; a draft
+        model's cache too), plus the rest of each prefilling request's prompt (reserved when
+        it was admitted) and what `extra` more tokens per decoding row would add (`row_bytes`
+        growth: an upper bound)."""
         c = self.cache
         more = {r.row: len(r.feed) + 1 - r.fed for r in self.running.values() if r.prefilling} | (extra or {})
         grow = 0
         for row, n in more.items():
             have = int(c.lengths[row])
-            grow += c.row_bytes(have + n) - c.row_bytes(have)
-        return c.held_bytes(list(self.running)) + grow
+            grow += self._row_bytes(have + n) - self._row_bytes(have)
+        rows = list(self.running)
+        return c.held_bytes(rows) + self.decoder.held_bytes(rows) + grow
 
     def _admit(self, requests, results, clock) -> None:
         """FCFS: admit the queue's head while a row is free and its prompt fits the budget."""
@@ -291,7 +303,9 @@ class Engine:
             feed = list(req.prompt) + res.tokens  # after a preemption: recompute prompt + output
             row = free[0]
             reused = self.cache.reuse_prefix([feed], [row])[0]  # maps a cached prefix: charged once
-            grow = self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)  # its prompt, reserved
+            # its prompt, reserved (a draft model prefills all of it: no prefix of its own reused)
+            grow = (self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)
+                    + self.decoder.row_bytes(len(feed) + 1))
             if self.running and self._used(self._step_growth(self.headroom)) + grow > self.kv_budget:
                 self.cache.release(row)
                 return

@@ -250,6 +250,19 @@ class SpeculativeDecoder:
         that row, so that it drafts from nothing there until the next `admit`."""
         self.drafter.release(row)
 
+    # -- the drafter's KV (a draft model's own cache), which a serving engine charges ------
+    def held_bytes(self, rows: list[int]) -> int:
+        """K/V bytes the drafter's cache holds for these rows (0 without one)."""
+        return self.drafter.held_bytes(rows)
+
+    def row_bytes(self, tokens: int) -> int:
+        """K/V bytes the drafter's cache takes for one row of `tokens` tokens."""
+        return self.drafter.row_bytes(tokens)
+
+    def budget_bytes(self, batch_size: int, capacity: int) -> int:
+        """The most K/V bytes the drafter's cache holds beside a target cache of these sizes."""
+        return self.drafter.budget_bytes(batch_size, capacity)
+
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
              left: int | None = None) -> list[list[int]]:

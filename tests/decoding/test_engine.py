@@ -292,12 +292,36 @@ def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alo
     drafter = prompt_lookup() if draft == "prompt-lookup" else early_exit(lm, 1, cache=factory)
     decoder = SpeculativeDecoder(drafter, gamma=3)
     cache = cache_for(lm.model, 3, 80, factory)
-    # room for about 1.3 rows of 60 tokens (an imposed window's rows hold at most 18: room for 1.5 of them)
-    budget = cache.row_bytes(18) * 1.5 if backend == "sliding-imposed" else cache.row_bytes(60) * 1.3
+    # room for about 1.3 rows of 60 tokens, target and draft caches together (an imposed window's
+    # rows hold at most 18: room for 1.5 of them)
+    row = (lambda n: cache.row_bytes(n) + decoder.row_bytes(n))  # noqa: E731
+    budget = row(18) * 1.5 if backend == "sliding-imposed" else row(60) * 1.3
     r = serve(lm.model, cache, decoder, requests(prompts, 0.005), token_budget=16, kv_budget_mb=budget / 2**20)
     assert [x.tokens for x in r.requests] == expected
+    assert max(t["kv_bytes"] for t in r.timeline) <= r.kv_budget_bytes  # the draft's bytes within the budget
     assert r.preemptions > 0 and decoder.stats["target_calls"] > 0
     assert decoder.stats["tokens_per_target_call"] > 1.0  # some drafts were accepted
+
+
+def test_a_draft_models_cache_is_charged_to_the_kv_budget(tiny_models):
+    """An early-exit draft caches its own rows: the engine's default budget is both caches'
+    capacity, a request's size counts both, and every step's charge includes the draft's."""
+    from decodelab.decoding.drafters import early_exit
+
+    lm = tiny_models["llama"]
+    cache = cache_for(lm.model, 2, 64)
+    decoder = SpeculativeDecoder(early_exit(lm, 1), gamma=3)
+    draft_row = decoder.row_bytes(40)
+    c = lm.model.cfg  # the draft caches its one layer: 40 tokens x 1 layer x K, V x heads x head_dim x fp32
+    assert draft_row == 40 * 1 * 2 * c.n_kv_heads * c.head_dim * 4
+    assert Engine(lm.model, cache, decoder).kv_budget == cache.budget_bytes() + 2 * decoder.row_bytes(64)
+    assert Engine(lm.model, cache, greedy()).kv_budget == cache.budget_bytes()
+    eng = Engine(lm.model, cache, decoder, kv_budget_mb=(cache.row_bytes(40) + draft_row / 2) / 2**20)
+    r = eng.run([Request(random_ids(30, seed=1), 6)])  # 30 + 6 + the lookahead: more than the budget
+    assert r.requests[0].finish_reason == "rejected" and "a draft's included" in r.requests[0].error
+    r = serve(lm.model, cache_for(lm.model, 2, 64), decoder, [Request(random_ids(20, seed=2), 8)])
+    held = max(t["kv_bytes"] for t in r.timeline)  # after a step: the prompt and its first tokens, in both caches
+    assert r.requests[0].tokens and held >= cache.row_bytes(21) + decoder.row_bytes(21)
 
 
 def test_speculative_rows_near_capacity_are_released_with_their_request(tiny_models):
