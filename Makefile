@@ -21,8 +21,9 @@ setup: $(STAMP)
 
 # the main job (scripts/main_job.sh): on the embedded SmolLM2-135M, decode speed of fp32 /
 # int8 / int4 weights next to transformers, speculative speedup vs gamma per drafter (measured
-# and predicted), ITL and KV bytes vs context per cache backend, and every setup's agreement
-# with dense; one report with its plots in outputs/main/ (ARGS: overrides every step takes)
+# and predicted), ITL and KV bytes vs context per cache backend, held-out perplexity per weights x
+# cache setup, and every setup's agreement with dense; one report with its plots in outputs/main/
+# (ARGS: overrides every step takes)
 run: setup
 	BIN=$(BIN) bash scripts/main_job.sh $(ARGS)
 

@@ -9,6 +9,8 @@
   (`agreement_figure`);
 - micro part=weights: decode tok/s and TTFT over fp32 vs context per weight type
   (`weights_figure`);
+- micro part=perplexity: perplexity per weights x cache setup against transformers' fp32
+  (`perplexity_figure`);
 - serve: latency and throughput vs request rate, KV budget in use over time (`serve_figures`).
 
 Every caption names what a point is, its n and its spread (see `plotting`), then the run
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from pathlib import Path
 
 from decodelab.experiments.plotting import (FigureSpec, Panel, Point, Row, RowPanel, Series, merge_identical, n_text,
@@ -31,8 +34,11 @@ BREAK_EVEN = (1.0, "break-even (1x greedy)")
 
 # -- captions ------------------------------------------------------------------------------
 def _distinct(runs: list[dict], get) -> str:
-    """The distinct non-empty values of `get(run)` over `runs`, sorted, joined with ', '."""
-    return ", ".join(sorted({str(v) for v in map(get, runs) if v not in (None, "")}))
+    """The distinct non-empty values of `get(run)` over `runs`, sorted (numbers by value,
+    before text), joined with ', '."""
+    vals = {v for v in map(get, runs) if v not in (None, "")}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return ", ".join(str(v) for v in sorted(vals, key=lambda v: (0, v, "") if number(v) else (1, 0, str(v))))
 
 
 def conditions_line(runs: list[dict]) -> str:
@@ -186,10 +192,17 @@ def prompt_speedups(prompts: list[dict]) -> list[float]:
     return out
 
 
-def _spec_point(gamma: float, value: float, samples: list[float]) -> Point:
-    """The median and IQR of the run's per-prompt values where it has two or more, else the
-    run's own value (as in the table: pooled over its prompts and rounds), n=1."""
-    return point(gamma, samples) if len(samples) > 1 else Point(float(gamma), float(value))
+def _spec_point(r: dict, run: dict, field: str, samples: list[float]) -> Point:
+    """Table row `r`'s point at its gamma: the median and IQR of the run's per-prompt values
+    where it has two or more (bench); else the quartiles its record carries (micro
+    spec_gamma: `field_p25/_p50/_p75` over its prompts x rounds); else its own value (as in
+    the table: pooled over its prompts and rounds), n=1."""
+    if len(samples) > 1:
+        return point(r["gamma"], samples)
+    if r.get(f"{field}_p25") is not None:
+        n = (_config([run], "prompts") or 0) * (_config([run], "repeats") or 0)
+        return _metric_point(r["gamma"], r, field, n or None)
+    return Point(float(r["gamma"]), float(r[field]))
 
 
 def speculative_figure(pairs: list[tuple[dict, dict]]) -> FigureSpec | None:
@@ -207,7 +220,7 @@ def speculative_figure(pairs: list[tuple[dict, dict]]) -> FigureSpec | None:
                                      ("predicted", "predicted_this_hw", []),
                                      ("acceptance", "acceptance_rate", [a for a in accept if a is not None])):
             if r.get(field) is not None:
-                series.setdefault((label(r), kind), []).append(_spec_point(r["gamma"], r[field], samples))
+                series.setdefault((label(r), kind), []).append(_spec_point(r, run, field, samples))
     if not any(kind == "measured" for _, kind in series):
         return None
     pick = lambda kinds: tuple(Series(g, tuple(pts), "dashed" if k == "predicted" else "solid")  # noqa: E731
@@ -229,7 +242,12 @@ def _speculative_n(spec: list[tuple[dict, dict]]) -> str:
     if micro:
         prompts, rounds = _config(micro, "prompts"), _config(micro, "repeats")
         over = f"{prompts} prompts x {rounds} round(s)" if prompts and rounds else "its prompts and rounds"
-        text += f" micro spec_gamma: one ratio per point, pooled over {over} (n=1 per point, no spread)."
+        if any(r.get("speedup_vs_greedy_p25") is not None for r, _ in spec if r.get("entry") == "micro"):
+            n = f"n={prompts * rounds}" if prompts and rounds else "n unknown"
+            text += (f" micro spec_gamma: median and IQR (error bar or band) of one speedup per prompt and round "
+                     f"({n}: {over}); the prediction from the pooled statistics.")
+        else:
+            text += f" micro spec_gamma: one ratio per point, pooled over {over} (n=1 per point, no spread)."
     bench = [len(run.get("prompts") or []) for r, run in spec if r.get("entry") != "micro"]
     if bench:
         n = f"n={min(bench)}" if min(bench) == max(bench) else f"n={min(bench)}-{max(bench)}"
@@ -271,7 +289,10 @@ def _agreement_n(found: list[dict], panels: list[RowPanel]) -> str:
     ref = _distinct(found, lambda r: r["setup"].get("reference"))
     prompts = _distinct(found, lambda r: r["metrics"].get("prompts"))
     positions = _distinct(found, lambda r: r["metrics"].get("positions"))
-    text = (f"Teacher-forced against {ref}: each dot over n={positions} positions ({prompts} prompts) per setup; "
+    lengths = sorted({p["prompt_tokens"] for r in found for p in r.get("prompts") or [] if p.get("prompt_tokens")})
+    span = f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else "".join(map(str, lengths))
+    of = f" of {span} tokens" if span else ""
+    text = (f"Teacher-forced against {ref}: each dot over n={positions} positions ({prompts} prompts{of}) per setup; "
             "grey: each prompt; black bar: the setup's own threshold (pass: top-1 at or above it, KL and |dlogit| "
             "at or below it), none where the setup has none.")
     if any(v == 0 for p in panels if p.xscale == "log" for r in p.rows for v in (r.value, *r.samples)):
@@ -281,11 +302,13 @@ def _agreement_n(found: list[dict], panels: list[RowPanel]) -> str:
 
 # -- micro part=weights --------------------------------------------------------------------
 def _metric_point(x: float, m: dict, key: str, n: int | None) -> Point:
-    """`m[key]` at x with the IQR the record carries (`key_p25`, `key_p75`), if any."""
-    lo, hi = m.get(f"{key}_p25"), m.get(f"{key}_p75")
+    """`m[key]` at x with the IQR the record carries (`key_p25`, `key_p75`), if any; where
+    it also carries `key_p50` (`key` is pooled, not their median), that median instead."""
+    lo, hi, med = m.get(f"{key}_p25"), m.get(f"{key}_p75"), m.get(f"{key}_p50")
+    y = float(m[key] if med is None else med)
     if lo is None or hi is None:
-        return Point(float(x), float(m[key]), n=n or 1)
-    return Point(float(x), float(m[key]), float(lo), float(hi), n or 2)
+        return Point(float(x), y, n=n or 1)
+    return Point(float(x), y, float(lo), float(hi), n or 2)
 
 
 def weights_figure(runs: list[dict]) -> FigureSpec | None:
@@ -330,6 +353,62 @@ def _weights_n(decode: tuple[Series, ...], n_dec: int | None, n_ttft: int | None
         "again. ")
     return (f"Decode: tokens/s of a batch-1 greedy decode, {dec}; systems measured side by side, in rotated order. "
             f"{ttft}Points at one context are spread sideways for legibility.")
+
+
+# -- micro part=perplexity -----------------------------------------------------------------
+PPL_REFERENCE = "transformers-fp32"  # the system every row's vs_transformers_fp32 is relative to
+KV_KEYS = ("nbits", "group_size", "residual")  # micro's int4 KV settings (ours and QuantizedCache)
+
+
+def perplexity_figure(runs: list[dict]) -> FigureSpec | None:
+    """decodelab-micro part=perplexity: one dot per system but the reference (our weights x
+    cache setups, the anchors), labelled with its relative difference to transformers' fp32
+    model on the same tokens (`vs_transformers_fp32`), which is the dotted reference line;
+    a quantized-KV row names the KV settings that differ between the runs (KIVI's
+    ablation, conf/preset/kivi-ablation.yaml). None without such runs."""
+    mine = [r for r in runs if (r.get("setup") or {}).get("name") == "perplexity"
+            and (r.get("metrics") or {}).get("perplexity") is not None]
+    vary = [k for k in KV_KEYS if len({str((r.get("config") or {}).get(k)) for r in mine}) > 1]
+    first = {s: i for i, s in reversed(list(enumerate(r["metrics"].get("system") for r in mine)))}
+    rows = {}
+    for r in sorted(mine, key=lambda r: (first[r["metrics"].get("system")],  # each system's settings together
+                                         *(float((r.get("config") or {}).get(k) or 0) for k in vary))):
+        m = r["metrics"]
+        if m.get("system") != PPL_REFERENCE:
+            d = m.get("vs_transformers_fp32")
+            row = Row(_ppl_label(r, vary), float(m["perplexity"]), note=None if d is None else f"{100 * d:+.2g}%")
+            rows.setdefault((row.label, row.value), row)  # a setup every run of a sweep repeats: once
+    if not rows:
+        return None
+    ref = [r["metrics"]["perplexity"] for r in mine if r["metrics"].get("system") == PPL_REFERENCE]
+    x = statistics.median(ref) if ref else None
+    line = ((x, f"transformers fp32, the reference ({x:.4g})"),) if ref else ()
+    panel = RowPanel(tuple(rows.values()), "perplexity (lower is better)", "Held-out perplexity per setup",
+                     vlines=line, value_label="perplexity")
+    return FigureSpec((panel,), f"{_perplexity_n(mine, bool(ref))}\n{conditions_line(mine)}")
+
+
+def _ppl_label(run: dict, vary: list[str]) -> str:
+    """'ours int8 weights, int4 KV', or an anchor's system name; a quantized-KV row adds
+    the settings of `vary` (group_size=32 ...)."""
+    m, cfg = run["metrics"], run.get("config") or {}
+    system, cache = str(m.get("system")), str(m.get("cache"))
+    label = (f"ours {m.get('weights')} weights, {cache} KV" if system.startswith("ours-")
+             else system.replace("transformers-quanto-", "transformers + quanto ").replace("-", " "))
+    kv = cache == "int4" or cache.startswith("QuantizedCache")
+    return label + "".join(f" {k}={cfg.get(k)}" for k in vary if kv)
+
+
+def _perplexity_n(mine: list[dict], has_ref: bool) -> str:
+    """The perplexity figure's sentence: the sample, the windows, the KV settings, the reference."""
+    metric = lambda key: _distinct(mine, lambda r: r["metrics"].get(key))  # noqa: E731
+    config = lambda key: _distinct(mine, lambda r: (r.get("config") or {}).get(key))  # noqa: E731
+    ref = ("Dotted line: transformers' fp32 model on the same tokens, the reference; beside each dot: its "
+           "relative difference to it. " if has_ref else "No transformers reference in these runs. ")
+    return (f"Perplexity, exp(mean NLL), over n={metric('tokens')} scored tokens of held-out ShareGPT replies (the "
+            f"same for every setup), windows of {metric('context')} tokens every {metric('stride')}, fed "
+            f"{metric('chunk')} tokens per forward through each cache; int4 KV at {config('nbits')} bits, group "
+            f"{config('group_size')}, residual {config('residual')}. {ref}Computed, not timed: one value per setup.")
 
 
 # -- serve ---------------------------------------------------------------------------------
@@ -404,7 +483,8 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path, formats=("png",
     specs = {"ttft_vs_prompt_len": ttft_figure(bench), "itl_vs_context": itl_figure(bench),
              "kv_mib_vs_context": kv_figure(bench), "speculative_vs_gamma": speculative,
              "agreement": agreement_figure([r for r in runs if r.get("entry") == "agree"]),
-             "weights_decode_vs_context": weights_figure([r for r in runs if r.get("entry") == "micro"])}
+             "weights_decode_vs_context": weights_figure([r for r in runs if r.get("entry") == "micro"]),
+             "perplexity": perplexity_figure([r for r in runs if r.get("entry") == "micro"])}
     if speculative is None and _spec_rows([r for r, _ in spec_pairs]):
         specs.pop("speculative_vs_gamma")
         log.info("skipped speculative_vs_gamma.png: no speculative run measured its speedup over greedy "

@@ -75,24 +75,30 @@ class Panel:
 @dataclass(frozen=True)
 class Row:
     """One setup in a dot panel: its value, per-prompt `samples` (drawn small behind it), its
-    own `threshold` (None: it has none) and whether it passed."""
+    own `threshold` (None: it has none), whether it passed, and a `note` written beside its
+    dot (e.g. its difference to the panel's reference line)."""
 
     label: str
     value: float
     samples: tuple[float, ...] = ()
     threshold: float | None = None
     ok: bool = True
+    note: str | None = None
 
 
 @dataclass(frozen=True)
 class RowPanel:
     """A horizontal dot plot, one row per setup (first on top); `xscale` "linear" or "log"
-    (zeros make it symmetric-log, see `row_scale`)."""
+    (zeros make it symmetric-log, see `row_scale`); `vlines` (x, legend label) reference
+    lines; `value_label` the legend entry of the dots where the rows are measurements, not
+    judged against bars (None: "passed its bars" / "failed a bar")."""
 
     rows: tuple[Row, ...]
     xlabel: str
     title: str
     xscale: str = "linear"
+    vlines: tuple[tuple[float, str], ...] = ()
+    value_label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,14 @@ def quartiles(values) -> tuple[float, float, float]:
 
     q1, q2, q3 = np.percentile(np.asarray(values, dtype=float), [25, 50, 75])
     return float(q1), float(q2), float(q3)
+
+
+def quartile_fields(key: str, values, median: bool = False) -> dict[str, float]:
+    """A record's spread of its metric `key` over the samples that metric summarizes, as
+    the figures read it: {key_p25, key_p75} (`quartiles`), and key_p50 with `median` (for a
+    metric that is not itself their median, e.g. a ratio of sums: the figure draws the p50)."""
+    q1, q2, q3 = quartiles(values)
+    return {f"{key}_p25": q1, **({f"{key}_p50": q2} if median else {}), f"{key}_p75": q3}
 
 
 def point(x: float, ys) -> Point:
@@ -299,9 +313,10 @@ def _draw_lines(ax, panel: Panel, look: _Look) -> dict:
 
 def _draw_rows(ax, panel: RowPanel, look: _Look) -> dict:
     """A dot panel, first row on top: per-prompt samples (small, grey), the setup's own
-    threshold (a black bar), its value (blue dot passed, red cross failed); returns the
-    legend handles."""
-    n, handles = len(panel.rows), {}
+    threshold (a black bar), its value (blue dot passed, red cross failed) with its note
+    beside it, the reference lines (dotted); returns the legend handles."""
+    n, handles = len(panel.rows), {x_label: ax.axvline(x, color="0.3", linestyle=":", linewidth=1.3, zorder=1)
+                                   for x, x_label in panel.vlines}
     for i, r in enumerate(panel.rows):
         y = n - 1 - i
         if r.samples:
@@ -311,7 +326,10 @@ def _draw_rows(ax, panel: RowPanel, look: _Look) -> dict:
             handles["the setup's own threshold"], = ax.plot([r.threshold], [y], "|", color="black",
                                                             markersize=14, markeredgewidth=2, zorder=3)
         label, fmt, colour = ("passed its bars", "o", "C0") if r.ok else ("failed a bar", "X", "C3")
-        handles[label], = ax.plot([r.value], [y], fmt, color=colour, markersize=7, zorder=4)
+        key = (panel.value_label or label) if r.ok else label
+        handles[key], = ax.plot([r.value], [y], fmt, color=colour, markersize=7, zorder=4)
+        if r.note:
+            ax.annotate(r.note, (r.value, y), xytext=(7, 4), textcoords="offset points", fontsize="small")
     ax.set_yticks(range(n), [r.label for r in reversed(panel.rows)])
     ax.set_ylim(-0.7, n - 0.3)
     scale, linthresh = row_scale(panel)
@@ -320,6 +338,8 @@ def _draw_rows(ax, panel: RowPanel, look: _Look) -> dict:
         ax.set_xlim(left=0)
     else:
         ax.set_xscale(scale)
+    if any(r.note for r in panel.rows):
+        ax.margins(x=0.2)  # room for the notes right of the last dot
     ax.set(xlabel=panel.xlabel, title=panel.title)
     ax.grid(True, axis="x", alpha=0.3)
     return handles
@@ -342,8 +362,9 @@ def render(spec: FigureSpec):
     from matplotlib.figure import Figure
 
     k, rows = len(spec.panels), isinstance(spec.panels[0], RowPanel)
-    if rows:
-        size = (3.4 * k + 4.0, 0.3 * max(len(p.rows) for p in spec.panels) + 1.6)
+    if rows:  # room for the row labels left of the first panel (about 0.08 inch a character)
+        label_in = max(4.0, 1.5 + 0.08 * max(len(r.label) for r in spec.panels[0].rows))
+        size = (3.4 * k + label_in, 0.3 * max(len(p.rows) for p in spec.panels) + 1.6)
     else:
         size = (PANEL_IN[0] * k + 2.6, PANEL_IN[1])
     fig = Figure(figsize=size, layout="constrained")

@@ -11,8 +11,9 @@ point gets its table (bench: the comparison columns; agree, micro, gpu_check: th
 metrics). The figures (experiments/figures.py, drawn by experiments/plotting.py), where
 the runs have data: bench's generations (TTFT, ITL and KV bytes vs context, speculative
 speedup vs gamma measured and predicted), agree's matrix (top-1, KL and max |dlogit| per
-setup against its thresholds), micro part=weights (decode tok/s and TTFT per weight type)
-and serve's load curves; each with its spread, its n and the run conditions in a caption.
+setup against its thresholds), micro part=weights (decode tok/s and TTFT per weight type),
+micro part=perplexity (perplexity per setup against transformers' fp32) and serve's load
+curves; each with its spread, its n and the run conditions in a caption.
 
 For analysis in Python, `load_results(path)` gives every record as pandas DataFrames, one
 per kind, nested fields as dotted columns (`frames["summary"]["metrics.decode_tok_s"]`).

@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # The main job (`make run`): the story of this framework on the embedded SmolLM2-135M in
-# four measurements, each side by side in one process, then one report with its plots:
+# five measurements, each side by side in one process, then one report with its plots:
 #   1. weights: decode tok/s of fp32, int8 and int4 weights next to transformers' generate(),
-#      vs context, 32 to 256 prompt tokens x 16 new     (decodelab-micro part=weights)
-#   2. gamma:   speculative speedup over greedy vs gamma 1..8 for prompt lookup, the int8 and
-#      int4 self-drafts and early exit, measured next to predicted, 2 ShareGPT prompts x 24
-#      tokens, greedy decoded beside each drafter        (decodelab-micro part=spec_gamma)
-#   3. context: ITL and KV bytes vs context, 128 to 1536 prompt tokens, per cache backend
-#      (experiment=main-context: dense, paged, int4; then sliding with a 512-token window and
-#      4 sink positions imposed on every layer, StreamingLLM style, so that it bounds the bytes)
-#   4. agree:   every cache x decoder x weights setup against dense, teacher-forced
-#                                                        (decodelab-agree)
+#      vs context, 32 / 128 / 256 prompt tokens x 16 new, 3 timed rounds per point (n=3 decodes,
+#      3 TTFT rounds), after a warm-up round                  (decodelab-micro part=weights)
+#   2. gamma:   speculative speedup over greedy vs gamma 1, 2, 4, 8 for prompt lookup, the int8
+#      and int4 self-drafts and early exit, measured next to predicted, 3 ShareGPT prompts x 24
+#      tokens (n=3 speedups per point), greedy decoded beside each drafter
+#                                                            (decodelab-micro part=spec_gamma)
+#   3. context: ITL and KV bytes vs context, 128 to 1536 prompt tokens + 16 new (15 steps per
+#      point), per cache backend (experiment=main-context: dense, paged, int4; then sliding
+#      with a 512-token window and 4 sink positions imposed on every layer, StreamingLLM
+#      style, so that it bounds the bytes)
+#   4. ppl:     held-out perplexity (1,536 tokens of ShareGPT replies, windows of 512 every 256)
+#      of fp32, int8 and int4 weights x dense and int4 KV, transformers' fp32 the reference
+#                                                            (decodelab-micro part=perplexity)
+#   5. agree:   every cache x decoder x weights setup against dense, teacher-forced 24 tokens
+#      after 2 ShareGPT prompts of 300-500 tokens (workload=sharegpt-long: int4 KV reads most
+#      of each context quantized), 8 free                    (decodelab-agree)
+# Where the minutes go: an estimated budget per step, 2 cores (AMD EPYC Zen 3, 2 torch
+# threads, llama.cpp installed: from the step times of experiments/results/main's run, scaled
+# by the work each step now does; to be measured): weights ~95 s, gamma ~135 s, context ~75 s
+# + sliding ~40 s, ppl ~60 s, agree ~115 s, report ~12 s: ~530 s of the 10 minutes.
 #   bash scripts/main_job.sh [OVERRIDE ...]     # into $DECODELAB_MAIN (default: outputs/main)
-# Each OVERRIDE goes to every step, so only keys all four take: threads= (default: the
+# Each OVERRIDE goes to every step, so only keys all of them take: threads= (default: the
 # machine's cores), model=, model.dtype=. Each step's own options can be extended through
-# WEIGHTS_ARGS, GAMMA_ARGS, CONTEXT_ARGS and AGREE_ARGS (space-separated overrides, after its
-# defaults, so they win); SLIDING holds the sliding run's cache options (a model with windows
-# of its own refuses an imposed one: SLIDING="cache=sliding"; SLIDING="" skips that run).
+# WEIGHTS_ARGS, GAMMA_ARGS, CONTEXT_ARGS, PPL_ARGS and AGREE_ARGS (space-separated overrides,
+# after its defaults, so they win); SLIDING holds the sliding run's cache options (a model with
+# windows of its own refuses an imposed one: SLIDING="cache=sliding"; SLIDING="" skips that run).
 # A setup that fails its agreement bar is a result, not a failure of the job: the report is
 # still written, and the job then exits 1 naming it. Any other failing step stops the job
 # with the tail of its log. A rerun measures everything again, except the context runs
@@ -48,11 +59,11 @@ step() {  # name, exit codes that are results (e.g. "0 1"), then the command; it
 }
 # shellcheck disable=SC2086  # the *_ARGS and SLIDING variables are lists of overrides
 step weights 0 "$B/decodelab-micro" part=weights 'weight_types=[int8,int4]' weight_compile=false \
-    'contexts=[32,64,128,192,256]' steps=16 prompts_per_context=1 repeats=1 ttft_rounds=2 "${ARGS[@]}" ${WEIGHTS_ARGS:-} \
+    'contexts=[32,128,256]' steps=16 prompts_per_context=1 repeats=3 ttft_rounds=3 "${ARGS[@]}" ${WEIGHTS_ARGS:-} \
     "hydra.run.dir=$OUT/weights"
 # shellcheck disable=SC2086
-step gamma 0 "$B/decodelab-micro" part=spec_gamma prompts=2 steps=24 repeats=1 "${ARGS[@]}" ${GAMMA_ARGS:-} \
-    "hydra.run.dir=$OUT/gamma"
+step gamma 0 "$B/decodelab-micro" part=spec_gamma prompts=3 steps=24 repeats=1 'gammas=[1,2,4,8]' "${ARGS[@]}" \
+    ${GAMMA_ARGS:-} "hydra.run.dir=$OUT/gamma"
 # shellcheck disable=SC2086
 step context 0 "$B/decodelab-bench" -m experiment=main-context "${ARGS[@]}" ${CONTEXT_ARGS:-} \
     "hydra.sweep.dir=$OUT/context"
@@ -61,10 +72,13 @@ if [ -n "${SLIDING-cache=sliding}" ]; then
     step sliding 0 "$B/decodelab-bench" -m experiment=main-context ${SLIDING-cache=sliding cache.window=512 cache.sinks=4} \
         "${ARGS[@]}" ${CONTEXT_ARGS:-} "hydra.sweep.dir=$OUT/context"
 fi
+# shellcheck disable=SC2086
+step ppl 0 "$B/decodelab-micro" part=perplexity ppl_tokens=1536 context=512 stride=256 ppl_anchors=false \
+    "${ARGS[@]}" ${PPL_ARGS:-} "hydra.run.dir=$OUT/ppl"
 agree=0
 # shellcheck disable=SC2086
-step agree "0 1" "$B/decodelab-agree" workload.n=2 forced_tokens=24 free_tokens=8 "${ARGS[@]}" ${AGREE_ARGS:-} \
-    "hydra.run.dir=$OUT/agree" || agree=$?
+step agree "0 1" "$B/decodelab-agree" workload=sharegpt-long forced_tokens=24 free_tokens=8 "${ARGS[@]}" \
+    ${AGREE_ARGS:-} "hydra.run.dir=$OUT/agree" || agree=$?
 "$B/decodelab-report" "$OUT"
 echo "main job: $(( $(date +%s) - start )) s; every step's log, results and the plots above are in $OUT" >&2
 if [ "$agree" -ne 0 ]; then

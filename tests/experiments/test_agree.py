@@ -122,6 +122,31 @@ def test_int4_figures_are_reported(tmp_path, capsys):
     assert code == (0 if all(r["passed"] for r in doc["rows"]) else 1)
 
 
+def test_the_main_jobs_long_prompts_make_int4_kv_quantize_most_of_each_context(tmp_path):
+    """workload=sharegpt-long (the main job's agreement panel): each forced position reads
+    over half of its context quantized at int4's defaults (residual 112, flush 64), and the
+    int4 row differs from dense; the default ShareGPT prompts (~55 tokens + 24 forced) sit
+    inside the residual, where int4 is bit-identical to dense."""
+    from decodelab.cache.base import CacheLayout
+    from decodelab.experiments import harness
+
+    tiny = ["model=tiny-llama", "model.device=cpu", "threads=1", "forced_tokens=24", "free_tokens=0",
+            "setups=[dense,int4]"]
+    _, long = agree(tmp_path / "long", *tiny, "workload=sharegpt-long")
+    _, short = agree(tmp_path / "short", *tiny, "workload.n=2")
+    long, short = rows(long), rows(short)
+    lm = harness.load_model(compose_setup("int4", ["model=tiny-llama", "model.device=cpu"]))
+    int4 = harness.cache_factory("int4")(CacheLayout.of(lm.model), 1, 8)
+    for p in long["int4"]["per_prompt"]:
+        first, last = p["prompt_tokens"] - 1, p["prompt_tokens"] + 22  # the positions predicting the 24 forced
+        assert p["prompt_tokens"] >= 300 and int4.quantized_prefix(first) / (first + 1) > 0.6
+        assert int4.quantized_prefix(last) / (last + 1) > 0.6
+    assert long["int4"]["mean_kl"] > 0 and long["int4"]["max_abs_dlogit"] > 100 * long["dense"]["max_abs_dlogit"]
+    assert all(p["prompt_tokens"] + 24 <= 112 for p in short["int4"]["per_prompt"])
+    assert short["int4"]["max_abs_dlogit"] == short["dense"]["max_abs_dlogit"]  # never quantized
+    assert short["int4"]["mean_kl"] == short["dense"]["mean_kl"]
+
+
 def test_quantized_weight_setups_are_judged_against_the_fp32_reference(tmp_path):
     """int8-weights / int4-weights quantize a copy of the loaded model: their logits really
     differ from the reference's (which stays fp32: dense beside them is exact), by more

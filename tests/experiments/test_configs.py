@@ -123,7 +123,7 @@ def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny
     f = tmp_path / "w.jsonl"
     f.write_text('{"prompt": "Hi there", "reference": "Hello!"}\n{"prompt": "Bye"}\n')
     extra = {"jsonl": [f"workload.path={f}"], "sharegpt": ["workload.n=2", "workload.max_prompt_tokens=64"],
-             "synthetic": ["workload.lengths=[8,12]"], "agree-prompts": ["workload.n=2"]}[workload]
+             "sharegpt-long": [], "synthetic": ["workload.lengths=[8,12]"], "agree-prompts": ["workload.n=2"]}[workload]
     lm = tiny_with_tokenizer
     reqs = instantiate_unwrapped(config(f"workload={workload}", *extra).workload)(lm)
     assert len(reqs) == 2 and len({r.id for r in reqs}) == 2
@@ -131,8 +131,10 @@ def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny
     assert all(len(x) > 0 for x in ids)
     if workload == "synthetic":
         assert [len(x) for x in ids] == [8, 12]
-    if workload in ("sharegpt", "agree-prompts"):
+    if workload in ("sharegpt", "sharegpt-long", "agree-prompts"):
         assert all(r.reference and r.chat for r in reqs)
+    if workload == "sharegpt-long":  # the prompt text alone 300-500 tokens (chat template: a few more)
+        assert all(300 <= len(lm.tokenizer.encode(r.prompt)) <= 500 for r in reqs)
 
 
 def test_a_packaged_workload_file_that_does_not_exist_is_named():
@@ -161,6 +163,23 @@ def test_every_named_experiment_composes_and_checks(name):
     assert cfg.name == name and cfg.hydra.sweeper.params  # a sweep holding only its deltas
     cfg_run = config(f"experiment={name}")
     check(cfg_run)  # its deltas are valid options
+
+
+@pytest.mark.parametrize("name", names("preset"))
+def test_every_micro_preset_composes_and_checks(name):
+    """conf/preset: decodelab-micro's named sweeps, each its deltas over micro.yaml plus the
+    sweep, valid for every combination of its swept values."""
+    import itertools
+
+    from decodelab.experiments.micro import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        params = compose(config_name="micro", overrides=[f"preset={name}"], return_hydra_config=True)
+        params = params.hydra.sweeper.params
+        assert params  # a sweep holding only its deltas
+        for values in itertools.product(*(str(v).split(",") for v in params.values())):
+            chosen = [f"{k}={v}" for k, v in zip(params, values)]
+            check(compose(config_name="micro", overrides=[f"preset={name}", *chosen]))  # raises SetupError if not
 
 
 @pytest.mark.parametrize("launcher", ["parallel", "local", "slurm"])

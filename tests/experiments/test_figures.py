@@ -39,8 +39,8 @@ def agree_and_micro(root: Path) -> Path:
 
     bars = {"dense": {"min_top1": 1.0, "max_kl": 1e-6, "max_abs_dlogit": 3e-4},
             "int4-weights": {"min_top1": 0.75, "max_kl": 0.5, "max_abs_dlogit": None}}
-    recs = [{"kind": "prompt", "run": "agree-x-int4-weights", "top1": t, "kl": 0.3, "max_abs_dlogit": 9.0}
-            for t in (0.6, 0.78)]
+    recs = [{"kind": "prompt", "run": "agree-x-int4-weights", "top1": t, "kl": 0.3, "max_abs_dlogit": 9.0,
+             "prompt_tokens": n} for t, n in ((0.6, 528), (0.78, 479))]
     recs += [summary("agree", "agree-x-dense", {"name": "dense", "reference": "dense"},
                      {"top1": 1.0, "mean_kl": 0.0, "max_abs_dlogit": 1e-5, "positions": 8, "prompts": 2,
                       "thresholds": bars["dense"], "passed": True}),
@@ -185,7 +185,7 @@ def test_agreement_draws_each_setups_own_thresholds_and_zero_honestly(tmp_path):
     assert [(r.label, r.value, r.threshold, r.ok) for r in top1.rows] == [("dense", 1.0, 1.0, True),
                                                                         ("int4-weights", 0.69, 0.75, False)]
     assert top1.rows[1].samples == (0.6, 0.78) and [r.threshold for r in dlogit.rows] == [3e-4, None]
-    assert "n=8 positions (2 prompts)" in spec.caption and "A zero is drawn at 0" in spec.caption
+    assert "n=8 positions (2 prompts of 479-528 tokens)" in spec.caption and "A zero is drawn at 0" in spec.caption
     fig = drawn(spec)
     ax_top1, ax_kl, ax_dlogit = fig.axes
     bars = lambda ax: sorted((line.get_xdata()[0], line.get_ydata()[0]) for line in ax.lines  # noqa: E731
@@ -213,6 +213,46 @@ def test_weights_figure_says_n1_and_draws_ttft_quartiles(tmp_path):
     decode_only = weights_figure([{**r, "metrics": {k: v for k, v in r["metrics"].items() if "ttft" not in k}}
                                   for r in load_runs(tmp_path) if r["entry"] == "micro"])
     assert len(decode_only.panels) == 1 and "TTFT" not in decode_only.caption
+
+
+def perplexity_runs(root: Path) -> list[dict]:
+    """micro part=perplexity's records: transformers' fp32 (the reference) and four setups,
+    their relative differences to it as a run computes them."""
+    ref, rel = 6.32, {"ours-fp32-dense": 8.7e-8, "ours-fp32-int4": 0.00559, "ours-int4-dense": 0.323,
+                      "transformers-quanto-int8": 0.00307}
+    cache = {"ours-fp32-dense": "dense", "ours-fp32-int4": "int4", "ours-int4-dense": "dense"}
+    recs = [{"kind": "summary", "entry": "micro", "run": f"ppl-{i}", "finished": "2025-01-01T00:00:00",
+             "setup": {"name": "perplexity", "model": "smollm2-135m"},
+             "metrics": {"system": name, "weights": name.split("-")[1] if name.startswith("ours") else "int8",
+                         "cache": cache.get(name, "transformers"), "perplexity": ref * (1 + d),
+                         "vs_transformers_fp32": d, "tokens": 1535, "context": 512, "stride": 256, "chunk": 128},
+             "config": {"nbits": 4, "group_size": 64, "residual": 128}, "conditions": {"cpu": CPU, "threads": 2}}
+            for i, (name, d) in enumerate({"transformers-fp32": 0.0, **rel}.items())]
+    (root / "ppl").mkdir(parents=True)
+    (root / "ppl" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    return load_runs(root)
+
+
+def test_perplexity_figure_draws_the_reference_and_labels_each_setups_difference(tmp_path):
+    from decodelab.experiments.figures import perplexity_figure
+
+    spec = perplexity_figure(perplexity_runs(tmp_path))
+    (panel,) = spec.panels
+    assert [r.label for r in panel.rows] == ["ours fp32 weights, dense KV", "ours fp32 weights, int4 KV",
+                                             "ours int4 weights, dense KV", "transformers + quanto int8"]
+    assert [r.note for r in panel.rows] == ["+8.7e-06%", "+0.56%", "+32%", "+0.31%"]
+    assert panel.vlines == ((6.32, "transformers fp32, the reference (6.32)"),)
+    assert "n=1535 scored tokens" in spec.caption and "int4 KV at 4 bits, group 64, residual 128" in spec.caption
+    assert "Model smollm2-135m" in spec.caption and CPU in spec.caption
+    fig = drawn(spec)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts] == ["+8.7e-06%", "+0.56%", "+32%", "+0.31%"]
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [6.32]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "perplexity" in labels and "transformers fp32, the reference (6.32)" in labels
+    assert "passed its bars" not in labels  # measured, not judged
+    assert perplexity_figure([r for r in load_runs(tmp_path) if r["metrics"]["system"] == "transformers-fp32"]) \
+        is None  # the reference alone: nothing to compare
 
 
 def test_axis_scales_follow_the_range():
@@ -247,6 +287,9 @@ def test_agree_and_micro_figures_are_written(tmp_path):
     for stem in ("agreement", "weights_decode_vs_context"):
         assert paths[stem].read_bytes()[:8] == PNG_MAGIC
     assert "speculative_vs_gamma" not in paths and "itl_vs_context" not in paths  # no bench runs
+    assert "perplexity" not in paths
+    perplexity_runs(tmp_path)
+    assert write_report(tmp_path)["perplexity"].read_bytes()[:8] == PNG_MAGIC
 
 
 def test_speculative_series_keep_sources_apart(sweep):

@@ -1,5 +1,5 @@
-"""scripts/main_job.sh (`make run`) end to end on the tiny model: its four steps with
-their own options narrowed through the *_ARGS hooks, one report with every panel."""
+"""scripts/main_job.sh (`make run`) end to end on the tiny model: its steps with their own
+options narrowed through the *_ARGS hooks, one report with every panel."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def main_job(out: Path, *overrides: str, **env: str) -> subprocess.CompletedProc
     hooks = {"WEIGHTS_ARGS": "contexts=[8,12,16,20,24] steps=3",
              "GAMMA_ARGS": "drafts=[prompt-lookup,int8-self] gammas=[1,2] prompts=1 steps=4",
              "CONTEXT_ARGS": "workload.lengths=[8,16,24,32,40] max_new_tokens=3",
+             "PPL_ARGS": "ppl_tokens=200 context=64 stride=32 ppl_chunk=16 group_size=32 residual=32",
              "AGREE_ARGS": "draft.layers=1 workload.n=1 forced_tokens=4 free_tokens=2 setups=[dense,paged,int4,"
                            "speculative-dense,int8-weights]"}
     return subprocess.run(["bash", str(ROOT / "scripts" / "main_job.sh"), "model=tiny-llama", "model.device=cpu",
@@ -33,15 +34,15 @@ def test_main_job_writes_every_panel(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "main"
     for stem in ("weights_decode_vs_context", "speculative_vs_gamma", "itl_vs_context", "kv_mib_vs_context",
-                 "agreement"):
+                 "perplexity", "agreement"):
         assert (out / f"{stem}.png").read_bytes()[:8] == PNG_MAGIC, stem
     md = (out / "report.md").read_text()
-    for section in ("## bench", "## agree", "## micro: spec_gamma", "## micro: weights"):
+    for section in ("## bench", "## agree", "## micro: spec_gamma", "## micro: weights", "## micro: perplexity"):
         assert section in md
     caches = {json.loads(line)["setup"]["cache"] for p in (out / "context").rglob("results.jsonl")
               for line in p.read_text().splitlines() if '"summary"' in line}
     assert caches == {"dense", "paged", "int4", "sliding"}  # sliding: the run with an imposed window
-    for step in ("weights", "gamma", "context", "sliding", "agree"):
+    for step in ("weights", "gamma", "context", "sliding", "ppl", "agree"):
         assert f"{step} done in" in r.stderr and (out / f"{step}.log").is_file()
 
 

@@ -120,12 +120,54 @@ def test_mixed_step_times_each_way_per_backend_and_chunk(tmp_path, monkeypatch):
         micro(tmp_path, "part=mixed_step", "chunks=[0]")
 
 
-def test_ttft_quartiles_interpolate_linearly_as_the_latency_percentiles():
-    """numpy's linear percentiles, h = q/100 x (n - 1): ratios 1..4 -> 1.75, 2.5, 3.25; one ratio: itself."""
-    from decodelab.experiments.micro import _quartiles
+def test_quartile_fields_interpolate_linearly_as_the_latency_percentiles():
+    """numpy's linear percentiles, h = q/100 x (n - 1): samples 1..4 -> 1.75, 2.5, 3.25; one sample: itself."""
+    from decodelab.experiments.plotting import quartile_fields
 
-    assert _quartiles([4.0, 1.0, 3.0, 2.0]) == pytest.approx((1.75, 2.5, 3.25))
-    assert _quartiles([1.5]) == (1.5, 1.5, 1.5)
+    assert quartile_fields("x", [4.0, 1.0, 3.0, 2.0]) == pytest.approx({"x_p25": 1.75, "x_p75": 3.25})
+    assert quartile_fields("x", [4.0, 1.0, 3.0, 2.0], median=True) == pytest.approx(
+        {"x_p25": 1.75, "x_p50": 2.5, "x_p75": 3.25})
+    assert quartile_fields("ttft", [1.5]) == {"ttft_p25": 1.5, "ttft_p75": 1.5}
+
+
+def paced(monkeypatch, tokens: int, step_s):
+    """decoding.generate with known token times: the k-th call of a model or decoder (keyed
+    by `step_s`'s choice) that generates `tokens` tokens steps every `step_s(model, decoder, k)`
+    seconds; other calls (warm-ups, TTFT) keep their real times."""
+    import decodelab.decoding as decoding
+
+    real, calls = decoding.generate, {}
+
+    def timed(model, cache, decoder, prompts, n, **kw):
+        res = real(model, cache, decoder, prompts, n, **kw)
+        if n == tokens:
+            key = step_s(model, decoder, None)
+            calls[key] = calls.get(key, -1) + 1
+            dt = step_s(model, decoder, calls[key])
+            res.token_times = [[1.0 + dt * i for i in range(len(t))] for t in res.tokens]
+        return res
+
+    monkeypatch.setattr(decoding, "generate", timed)
+
+
+def test_weights_decode_rate_is_the_median_of_its_timed_decodes_with_their_quartiles(tmp_path, monkeypatch):
+    """Each model's k-th 3-token decode steps every 10 x (1 + k % 4) ms: k = 0 is the warm-up
+    round, the 4 timed ones (repeats=4, one prompt) run at 50, 33.3, 25 and 100 tok/s (2
+    intervals each): median 41.67, quartiles 31.25 and 62.5 (linear); the figure draws them."""
+    paced(monkeypatch, 3, lambda model, dec, k: id(model) if k is None else 0.01 * (1 + k % 4))
+    rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=4", "prompts_per_context=1",
+                 "weight_types=[int8]", "ttft_rounds=1", "weight_compile=false", "compare_transformers=false")
+    by = {r["system"]: r for r in rows}
+    for name in ("fp32", "int8"):
+        r = by[name]
+        spread = (r["decode_tok_s_p25"], r["decode_tok_s"], r["decode_tok_s_p75"])
+        assert spread == pytest.approx((31.25, 125 / 3, 62.5))
+    assert by["int8"]["vs_fp32"] == pytest.approx(1.0)
+    from decodelab.experiments.figures import weights_figure
+
+    decode = weights_figure(load_runs(tmp_path)).panels[0]
+    assert [v for s in decode.series for p in s.points for v in (p.y, p.lo, p.hi, p.n)] == pytest.approx(
+        [125 / 3, 31.25, 62.5, 4] * 2)
 
 
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
@@ -262,6 +304,31 @@ def test_spec_gamma_part_grid_against_greedy_beside_each_drafter(tmp_path, monke
         assert msg in str(e.value)
     with pytest.raises(SetupError, match="quantizes the target, but the target is quantized already"):
         micro(tmp_path, "part=spec_gamma", "drafts=[int8-self]", "model.weights=int8")
+
+
+def test_spec_gamma_records_the_quartiles_of_its_per_prompt_speedups(tmp_path, monkeypatch):
+    """Greedy steps every 0.1 s; the drafter's k-th timed decode every 0.04, 0.05, 0.02, 0.1 s:
+    its 4 samples (2 prompts x 2 rounds) are 2.5, 2, 5 and 1x greedy: median 2.25, quartiles
+    1.75 and 3.125 (linear); pooled (summed times) 0.4 / 0.21; the figure draws the median
+    and quartiles with n = 4."""
+    times = (0.04, 0.05, 0.02, 0.1)
+    paced(monkeypatch, 8, lambda model, dec, k: id(dec) if k is None else (times[k % 4] if dec.lookahead else 0.1))
+    rows = micro(tmp_path, "part=spec_gamma", "drafts=[prompt-lookup]", "gammas=[2]", "prompts=2", "steps=8",
+                 "repeats=2")
+    (r,) = rows
+    assert r["speedup_vs_greedy"] == pytest.approx(0.4 / 0.21) and r["greedy_tok_s"] == pytest.approx(10.0)
+    assert (r["speedup_vs_greedy_p25"], r["speedup_vs_greedy_p50"], r["speedup_vs_greedy_p75"]) == pytest.approx(
+        (1.75, 2.25, 3.125))
+    assert r["acceptance_rate_p25"] <= r["acceptance_rate_p50"] <= r["acceptance_rate_p75"]
+    from decodelab.experiments.figures import speculative_figure
+
+    runs = load_runs(tmp_path)
+    by_run = {x["run"]: x for x in runs}
+    spec = speculative_figure([(row, by_run[row["run"]]) for row in table_rows(runs)])
+    measured = next(s for s in spec.panels[0].series if s.style == "solid")
+    assert [v for p in measured.points for v in (p.x, p.y, p.lo, p.hi, p.n)] == pytest.approx([2, 2.25, 1.75, 3.125, 4])
+    assert "median and IQR (error bar or band) of one speedup per prompt and round (n=4: 2 prompts x 2 round(s))" \
+        in spec.caption
 
 
 @pytest.mark.slow

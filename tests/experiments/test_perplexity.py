@@ -60,11 +60,62 @@ def test_ours_matches_transformers_and_int4_kv_moves_it(tmp_path):
     assert len(summaries) == len(rows)  # one summary record per system: system and perplexity in metrics
 
 
+def test_without_anchors_the_reference_and_ours_run_and_the_report_draws_them(tmp_path):
+    """ppl_anchors=false (the main job's panel): transformers' fp32 and our weights x caches
+    only; the report's perplexity figure has one dot per setup, each labelled with its
+    difference to transformers' fp32, which is its reference line."""
+    from decodelab.experiments.figures import perplexity_figure
+    from decodelab.experiments.report import load_runs, write_report
+
+    _, go = micro(tmp_path, "ppl_tokens=400", "context=320", "stride=160", "ppl_chunk=32", "ppl_weights=[int8]",
+                  "ppl_caches=[dense,int4]", "group_size=32", "residual=32", "ppl_anchors=false")
+    rows = {r["system"]: r for r in go()}
+    assert list(rows) == ["transformers-fp32", "ours-fp32-dense", "ours-fp32-int4", "ours-int8-dense",
+                          "ours-int8-int4"]
+    spec = perplexity_figure(load_runs(tmp_path))
+    (panel,) = spec.panels
+    assert [r.label for r in panel.rows] == ["ours fp32 weights, dense KV", "ours fp32 weights, int4 KV",
+                                             "ours int8 weights, dense KV", "ours int8 weights, int4 KV"]
+    assert [r.value for r in panel.rows] == [rows[k]["perplexity"] for k in list(rows)[1:]]
+    assert [r.note for r in panel.rows] == [f"{100 * rows[k]['vs_transformers_fp32']:+.2g}%" for k in list(rows)[1:]]
+    assert panel.vlines[0][0] == rows["transformers-fp32"]["perplexity"]
+    assert "n=399 scored tokens" in spec.caption and "windows of 320 tokens every 160" in spec.caption
+    assert write_report(tmp_path)["perplexity"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kivis_ablation_preset_runs_its_grid_and_the_figure_labels_each_setting(tmp_path):
+    """conf/preset/kivi-ablation.yaml sweeps int4 KV group size x residual on perplexity;
+    two of its jobs (in-process, on the tiny model): each moves ours by its own amount,
+    and the figure names each job's settings."""
+    from decodelab.experiments.figures import perplexity_figure
+    from decodelab.experiments.report import load_runs
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="micro", overrides=["preset=kivi-ablation"], return_hydra_config=True)
+    assert cfg.part == "perplexity" and list(cfg.ppl_caches) == ["int4"] and list(cfg.ppl_weights) == []
+    assert dict(cfg.hydra.sweeper.params) == {"group_size": "32,64,128", "residual": "32,64,128"}
+    ppl = {}
+    for g, r in ((32, 32), (64, 128)):
+        _, go = micro(tmp_path / f"g{g}r{r}", "preset=kivi-ablation", "ppl_tokens=400", "context=320", "stride=160",
+                      "ppl_chunk=32", f"group_size={g}", f"residual={r}")
+        ppl[g, r] = {x["system"]: x["vs_transformers_fp32"] for x in go()}
+        assert list(ppl[g, r]) == ["transformers-fp32", "ours-fp32-int4", "transformers-QuantizedCache"]
+        assert abs(ppl[g, r]["ours-fp32-int4"]) > 1e-6  # quantized K/V read back
+    assert ppl[32, 32]["ours-fp32-int4"] != ppl[64, 128]["ours-fp32-int4"]
+    labels = [row.label for row in perplexity_figure(load_runs(tmp_path)).panels[0].rows]
+    assert labels == ["ours fp32 weights, int4 KV group_size=32 residual=32",  # each system's jobs together
+                      "ours fp32 weights, int4 KV group_size=64 residual=128",
+                      "transformers QuantizedCache group_size=32 residual=32",
+                      "transformers QuantizedCache group_size=64 residual=128"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["stride=512", "context=512"], "stride must be < context"),
     (["ppl_caches=[dense,pagd]"], "ppl_caches: no cache 'pagd'"),
     (["ppl_weights=[int3]"], "ppl_weights: 'int3' is not one of"),
     (["ppl_tokens=1"], "ppl_tokens"),
+    (["ppl_anchors=maybe"], "ppl_anchors must be true or false, got 'maybe'"),
+    (["ppl_caches=[int4]", "group_size=48"], "group_size must be one of"),  # the int4 KV settings, before loading
 ])
 def test_bad_perplexity_options_are_named_before_the_model_loads(tmp_path, overrides, message):
     cfg, _ = micro(tmp_path, *overrides)
