@@ -52,10 +52,10 @@ decoder's `held_bytes` / `row_bytes`; the default budget is what both caches can
 
 Why the static `generate` (decoding/generate.py) is not a thin call into the engine: it
 serves what the engine does not (stop strings and streaming text; chunked prefill of a
-whole static batch in one forward), and its prefill of a static batch is one padded forward where the engine runs each long
-chunk as a segment of its own, so their logits differ by float summation order. Its
-greedy output is the engine's "all requests at t = 0" output (tests/decoding/test_engine.py
-checks it token for token).
+whole static batch in one forward), and its prefill of a static batch is one padded
+forward where the engine runs each long chunk as a segment of its own, so their logits
+differ by float summation order. Its greedy output is the engine's "all requests at
+t = 0" output (tests/decoding/test_engine.py checks it token for token).
 """
 
 from __future__ import annotations
@@ -163,6 +163,9 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     if not (callable(getattr(decoder, "admit", None)) and callable(getattr(decoder, "release", None))):
         p.append(f"decoder {decoder!r} cannot serve requests that come and go: it has no `admit(row, tokens)` / "
                  "`release(row)` (decoding/decoders.py)")
+    if getattr(decoder, "hidden_layers", ()):
+        p.append(f"decoder {decoder!r} drafts from the target's hidden states (hidden_layers), which the serving "
+                 "engine does not hand over yet (its prefill chunks and verify rounds would have to): use generate")
     if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
         p.append(f"token_budget must be an integer >= 1 (tokens per engine step), got {token_budget!r}")
     if policy not in POLICIES:

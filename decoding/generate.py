@@ -266,10 +266,11 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
     t0, compile_s = t0 + begin_compile, compile_s + begin_compile
     rows = _Rows(len(prompts), max_new_tokens, eos, stop, tokenizer, detokenize, t0)
     t_prefill = time.perf_counter()
-    logits = prefill(model, cache, prompts, prefill_chunk)
+    layers = tuple(getattr(decoder, "hidden_layers", ()))  # a drafter that reads the target's states
+    out = prefill(model, cache, prompts, prefill_chunk, **({"hidden_layers": layers} if layers else {}))
     sync(model.device)
     prefill_s = time.perf_counter() - t_prefill
-    last = decoder.start(logits)  # [B]
+    last = decoder.start(out[0], hidden=out[1]) if layers else decoder.start(out)  # [B]
     for b, t in enumerate(last.tolist()):
         rows.add(b, [t])
     yield from rows.take()

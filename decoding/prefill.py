@@ -75,7 +75,7 @@ def pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = None,
-            rows: list[int] | None = None) -> torch.Tensor:
+            rows: list[int] | None = None, hidden_layers: tuple[int, ...] = ()):
     """Run the prompts [B][n_b] through the model after what each row already holds
     (`cache.lengths`); return the logits [B, V] of each row's last prompt position. With
     `rows` [B], the prompts go to those cache rows only (the others are not touched: a
@@ -85,12 +85,16 @@ def prefill(model, cache, prompts: list[list[int]], chunk_size: int | None = Non
     real token of its row, and is overwritten by the first decode step, so it never
     changes a result. With `chunk_size`, the prompt runs in chunks of that many
     positions (same logits as one pass, smaller peak memory). A backend with a prefix
-    cache maps already-cached prompt blocks first; only the rest is computed."""
+    cache maps already-cached prompt blocks first; only the rest is computed.
+
+    With `hidden_layers` (`Transformer.forward`'s), the pair (logits, {layer: [h_b]}): each
+    row's hidden states [n_b, dim] at its prompt positions, for a drafter that reads the
+    target's states; every prompt position is then computed (no cached prefix is mapped)."""
     raise_if(token_id_problems(prompts, model.cfg.vocab_size))  # before the cache is touched
     held = cache.lengths if rows is None else cache.lengths[list(rows)]
-    fresh = bool((held == 0).all())  # prompts start at position 0: a prefix cache applies
+    fresh = bool((held == 0).all()) and not hidden_layers  # from position 0: a prefix cache applies
     reused = cache.reuse_prefix(prompts, rows) if fresh else [0] * len(prompts)
-    logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size, rows)
+    logits = _run(model, cache, [p[r:] for p, r in zip(prompts, reused)], chunk_size, rows, hidden_layers)
     if fresh:
         cache.remember_prefix(prompts, rows)
     return logits
@@ -125,17 +129,26 @@ def prompt_segment(model, cache, prompts: list[list[int]], rows: list[int]) -> S
     return Segment(ids, positions, None if bool(valid.all()) else valid, list(rows), (n - 1)[:, None].to(model.device))
 
 
-def _run(model, cache, prompts: list[list[int]], chunk_size: int | None, rows=None) -> torch.Tensor:
+def _run(model, cache, prompts: list[list[int]], chunk_size: int | None, rows=None, hidden_layers=()):
     ids, n, positions, valid = _padded(model, cache, prompts, rows)
     T = ids.shape[1]
     step = chunk_size or T
-    last = None
+    last, states = None, {layer: [] for layer in hidden_layers}
     kw = {} if rows is None else {"rows": list(rows)}
+    if hidden_layers:
+        kw["hidden_layers"] = tuple(hidden_layers)
     for s in range(0, T, step):
         e = min(s + step, T)
         inside = (n - 1 >= s) & (n - 1 < e)  # [B] rows whose last token is in this chunk
         at = (n - 1 - s).clamp(0, e - s - 1)[:, None].to(model.device)  # [B, 1]
         chunk_valid = None if bool(valid[:, s:e].all()) else valid[:, s:e]
-        logits = model(ids[:, s:e], positions[:, s:e], cache, valid=chunk_valid, logit_index=at, **kw)[:, 0]
+        out = model(ids[:, s:e], positions[:, s:e], cache, valid=chunk_valid, logit_index=at, **kw)
+        logits, hidden = out if hidden_layers else (out, {})
+        for layer, h in hidden.items():  # [B, e - s, dim]
+            states[layer].append(h)
+        logits = logits[:, 0]
         last = logits if last is None else torch.where(inside[:, None].to(model.device), logits, last)
-    return last
+    if not hidden_layers:
+        return last
+    whole = {layer: torch.cat(parts, 1) for layer, parts in states.items()}  # [B, T, dim]
+    return last, {layer: [h[b, :int(n[b])] for b in range(len(prompts))] for layer, h in whole.items()}

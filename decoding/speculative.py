@@ -219,6 +219,14 @@ class SpeculativeDecoder:
         return self._stats.summary()
 
     @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target's hidden states the drafter reads (its `hidden_layers`; none for most):
+        the prefill's and each verify's are handed to its `observe(hidden, start)`, the
+        states of the tokens each row now holds ({layer: [h_b [n_b, dim]]}, row b's from
+        position start[b])."""
+        return tuple(getattr(self.drafter, "hidden_layers", ()))
+
+    @property
     def compile_s(self) -> float:
         """Seconds the last `begin` spent compiling the drafter's step (0 without one)."""
         return getattr(self.drafter, "compile_s", 0.0)
@@ -233,10 +241,14 @@ class SpeculativeDecoder:
             self.drafter.lookahead = self.gamma_max
         self.drafter.begin(prompts, capacity, compile=compile)
 
-    def start(self, logits: torch.Tensor) -> torch.Tensor:
+    def start(self, logits: torch.Tensor, hidden: dict | None = None) -> torch.Tensor:
+        """The first tokens [B] from the prefill's last logits [B, V]; the prompts' hidden
+        states ({layer: [h_b]}, from position 0) go to a drafter that reads them."""
         from decodelab.decoding.sampling import choose
 
         raise_if(not_begun(self, "start"))
+        if hidden is not None and self.hidden_layers:
+            self.drafter.observe(hidden, [0] * logits.shape[0])
         return choose(logits, self.params, self.generator)
 
     def admit(self, row: int, tokens: list[int]) -> None:
@@ -280,7 +292,9 @@ class SpeculativeDecoder:
         ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
         positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
         valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
-        logits = model(ids, positions, cache, valid=valid)  # [B, G + 1, V]
+        layers = self.hidden_layers
+        out = model(ids, positions, cache, valid=valid, **({"hidden_layers": layers} if layers else {}))
+        logits, hidden = out if layers else (out, None)  # [B, G + 1, V], {layer: [B, G + 1, dim]}
         sync(model.device)
         t2 = time.perf_counter()
         if self.params.greedy:  # one-hot p and q: sum_x min(p, q) is 1 iff the draft is the argmax
@@ -295,6 +309,10 @@ class SpeculativeDecoder:
         # keep last + the accepted drafts; frozen rows keep exactly what they had
         cache.truncate(torch.where(active, L + 1 + n_cpu, L))
         self.drafter.commit(n_cpu, nxt, active)
+        if hidden is not None:  # the states of what each row kept: last and its accepted drafts
+            keep = [int(n_cpu[b]) + 1 if bool(active[b]) else 0 for b in range(B)]
+            self.drafter.observe({layer: [h[b, :keep[b]] for b in range(B)] for layer, h in hidden.items()},
+                                 L.tolist())
         self._stats.record(n_cpu, active, G, alpha)
         out = [draft[b, : n_cpu[b]].tolist() + [int(nxt[b])] for b in range(B)]
         self._adapt(n_cpu, active, G)

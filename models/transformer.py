@@ -234,8 +234,13 @@ class Transformer(nn.Module):
         n_layers: int | None = None,  # run only the first n layers (early-exit self-draft)
         rows: list[int] | None = None,  # [B] the cache rows these rows are (None: all, in order)
         plan=None,  # the forward's attention plan, when the caller made it (None: cache.plan(...) here)
-    ) -> torch.Tensor:
-        """Logits [B, T, V] (or [B, K, V] with `logit_index`)."""
+        hidden_layers: tuple[int, ...] = (),  # also return these hidden states (`hidden_states`)
+    ):
+        """Logits [B, T, V] (or [B, K, V] with `logit_index`); with `hidden_layers`, the pair
+        (logits, {layer: [B, T, dim]}): for i < n_layers the residual stream after block i,
+        for i = n_layers the final norm's output (what the head reads), at every position
+        of the forward (zeros at padding), for a drafter that reads the target's states."""
+        raise_if(self.hidden_problems(hidden_layers))
         if plan is None:
             plan = cache.plan(positions, valid) if rows is None else cache.plan(positions, valid, rows=rows)
         # the position-wise work runs on the valid tokens only: on a CPU whenever there is
@@ -250,8 +255,20 @@ class Transformer(nn.Module):
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
+        hidden = {}
         for layer, block in enumerate(self.layers[:n_layers]):
             x = block(x, ropes[self._rope_keys[layer]], cache, plan, packed)
+            if layer in hidden_layers:
+                hidden[layer] = x if packed is None else packed.unpack(x)
+        if hidden_layers:
+            if self.cfg.n_layers in hidden_layers:
+                hidden[self.cfg.n_layers] = self.norm(x if packed is None else packed.unpack(x))
+            return self._logits(x, packed, logit_index), hidden
+        return self._logits(x, packed, logit_index)
+
+    def _logits(self, x: torch.Tensor, packed: Packed | None, logit_index: torch.Tensor | None) -> torch.Tensor:
+        """The head over the final hidden states x [B, T, dim] (or the valid tokens [N, dim]):
+        at `logit_index` [B, K], else at every position (zeros at padding)."""
         if logit_index is not None:
             x = x if packed is None else packed.unpack(x)
             x = x.gather(1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
@@ -324,6 +341,13 @@ class Transformer(nn.Module):
                     cache.truncate(torch.minimum(cache.lengths, before))
                 raise
         return plans
+
+    def hidden_problems(self, hidden_layers) -> list[str]:
+        """Why `hidden_layers` cannot be returned (each in [0, n_layers]: n_layers is the final norm)."""
+        n = self.cfg.n_layers
+        bad = [i for i in hidden_layers if not isinstance(i, int) or not 0 <= i <= n]
+        return [f"hidden_layers {bad} are not layers of this model: each is 0..{n - 1} (a block's output) or "
+                f"{n} (the final norm's output)"] if bad else []
 
     def inv_freq(self, rope, device: torch.device) -> torch.Tensor:
         """float32 inverse frequencies [head_dim / 2] of one RoPE on one device (memoized)."""
