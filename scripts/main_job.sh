@@ -21,7 +21,7 @@
 # Where the minutes go: an estimated budget per step, 2 cores (AMD EPYC Zen 3, 2 torch
 # threads, llama.cpp installed: from the step times of experiments/results/main's run, scaled
 # by the work each step now does; to be measured): weights ~95 s, gamma ~135 s, context ~75 s
-# + sliding ~40 s, ppl ~60 s, agree ~115 s, report ~12 s: ~530 s of the 10 minutes.
+# + sliding ~40 s, ppl ~65 s, agree ~115 s, report ~12 s: ~540 s of the 10 minutes.
 #   bash scripts/main_job.sh [OVERRIDE ...]     # into $DECODELAB_MAIN (default: outputs/main)
 # Each OVERRIDE goes to every step, so only keys all of them take: threads= (default: the
 # machine's cores), model=, model.dtype=. Each step's own options can be extended through
