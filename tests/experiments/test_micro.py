@@ -104,18 +104,16 @@ def test_kv_memory_bytes_against_the_formula(tmp_path):
 
 
 def test_mixed_step_times_each_way_per_backend_and_chunk(tmp_path, monkeypatch):
-    rows = micro(tmp_path, "part=mixed_step", "backends=[dense,int4]", "chunks=[3,8]", "decode_rows=2",
+    rows = micro(tmp_path, "part=mixed_step", "backends=[dense,int4,sliding]", "chunks=[3,8]", "decode_rows=2",
                  "decode_context=20", "chunk_context=30", "repeats=1")
     systems = ["decode", "chunk", "two forwards", "one forward"]
     assert [(r["backend"], r["chunk_tokens"], r["system"]) for r in rows] == [
-        (b, t, s) for b in ("dense", "int4") for t in (3, 8) for s in systems]
+        (b, t, s) for b in ("dense", "int4", "sliding") for t in (3, 8) for s in systems]
     assert all(r["ms"] > 0 and r["decode_rows"] == 2 for r in rows)
-    assert [r["vs_decode"] for r in rows if r["system"] == "decode"] == [1.0] * 4
+    assert [r["vs_decode"] for r in rows if r["system"] == "decode"] == [1.0] * 6
     import decodelab.models.loading as loading
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
-    with pytest.raises(SetupError, match="sliding cannot run a forward over some of its rows"):
-        micro(tmp_path, "part=mixed_step", "backends=[sliding]")
     with pytest.raises(SetupError, match="chunks must be a non-empty list of integers >= 1"):
         micro(tmp_path, "part=mixed_step", "chunks=[0]")
 
