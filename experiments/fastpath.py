@@ -1,0 +1,129 @@
+"""The composition matrix on the fast path (issue 28): every cache backend x decoder,
+eager and `compile=True`, side by side in one process.
+
+    python -c "from decodelab.experiments.fastpath import main; main()" [--tokens 64] [--rounds 2]
+    (main(["--prompt-tokens", "2048", "--backends", "dense", "sliding", "--decoders", "greedy"]): long context)
+
+For each backend (dense, paged, int4, sliding with a 512-token window and 4 sinks imposed
+on SmolLM2) and decoder (greedy; speculative with the int8 self-draft; speculative with
+prompt lookup, gamma 4 both), one ShareGPT prompt of 180-260 tokens (chat template) is
+decoded `--tokens` greedy tokens eagerly and with `compile=True`, alternated, `--rounds`
+times each (the first compiled call compiles: `compile_s` apart; decode tok/s is the
+median over rounds). A cell that compile=True refuses says why. The greedy text of the
+compiled run must equal the eager run's (`text_equal`). Prints a markdown table and the
+run conditions; writes JSON lines to --out when given."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+BACKENDS = {"dense": {}, "paged": {}, "int4": {}, "sliding": {"window": 512, "sinks": 4}}
+DECODERS = ("greedy", "speculative int8-self", "speculative prompt-lookup")
+
+
+def prompt(lm) -> list[int]:
+    """The first ShareGPT prompt (seed 0) of 180-260 tokens, through the chat template."""
+    from decodelab.experiments.workloads import ShareGPT
+
+    req = ShareGPT(n=1, seed=0, min_prompt_tokens=180, max_prompt_tokens=260)(lm)[0]
+    return lm.tokenizer.encode(req.prompt, chat=True)
+
+
+def decoder(lm, name: str, factory):
+    """A fresh decoder of `name` (a drafter caching through the target's backend)."""
+    from decodelab.decoding import SpeculativeDecoder, greedy
+    from decodelab.decoding.drafters import prompt_lookup, quantized_self
+
+    if name == "greedy":
+        return greedy()
+    drafter = quantized_self(lm, "int8", cache=factory) if name.endswith("int8-self") else prompt_lookup()
+    return SpeculativeDecoder(drafter, gamma=4)
+
+
+def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -> dict:
+    """One backend x decoder: eager and compiled decode tok/s, compile seconds, text equality."""
+    from decodelab.cache import backend as cache_backend
+    from decodelab.decoding import generate, make_cache
+    from decodelab.models.errors import SetupError
+
+    factory = cache_backend(backend, **BACKENDS[backend])
+    runs = {False: [], True: []}
+    texts, compile_s, refused = {}, 0.0, None
+    for _ in range(rounds):
+        for compiled in (False, True):
+            if compiled and refused:
+                continue
+            cache = make_cache(lm.model, 1, len(ids) + tokens + 8, factory)
+            try:
+                r = generate(lm.model, cache, decoder(lm, dec, factory), [ids], tokens, compile=compiled,
+                             tokenizer=lm.tokenizer)
+            except SetupError as e:
+                refused = "; ".join(e.reasons)
+                continue
+            runs[compiled].append(r.summary()["decode_tok_s"])
+            texts[compiled] = r.text[0]
+            compile_s = max(compile_s, r.compile_s)
+    eager = statistics.median(runs[False])
+    comp = statistics.median(runs[True]) if runs[True] else None
+    return {"backend": backend, "decoder": dec, "eager_tok_s": eager, "compiled_tok_s": comp,
+            "compiled_vs_eager": comp / eager if comp else None, "compile_s": compile_s,
+            "text_equal": texts.get(True) == texts[False] if comp else None, "refused": refused,
+            "eager_rounds": runs[False], "compiled_rounds": runs[True]}
+
+
+def table(rows: list[dict]) -> str:
+    """The matrix as markdown."""
+    out = ["| backend | decoder | eager tok/s | compiled tok/s | compiled / eager | compile s | text equal |",
+           "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        comp = f"{r['compiled_tok_s']:.1f}" if r["compiled_tok_s"] else f"refused: {r['refused'][:90]}"
+        ratio = f"{r['compiled_vs_eager']:.2f}" if r["compiled_vs_eager"] else "-"
+        out.append(f"| {r['backend']} | {r['decoder']} | {r['eager_tok_s']:.1f} | {comp} | {ratio} | "
+                   f"{r['compile_s']:.1f} | {r['text_equal']} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    ap.add_argument("--decoders", nargs="+", default=list(DECODERS))
+    ap.add_argument("--prompt-tokens", type=int, default=None,
+                    help="a synthetic prompt of this many tokens instead of the ShareGPT one (long contexts)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import torch
+
+    from decodelab.experiments.harness import run_conditions
+    from decodelab.models import load
+
+    torch.set_num_threads(a.threads)
+    lm = load("smollm2-135m", device="cpu")
+    if a.prompt_tokens:
+        from decodelab.experiments.workloads import synthetic_prompt
+
+        ids = synthetic_prompt(lm, a.prompt_tokens)
+    else:
+        ids = prompt(lm)
+    rows = []
+    for b in a.backends:
+        for d in a.decoders:
+            rows.append(cell(lm, ids, b, d, a.tokens, a.rounds))
+            print(json.dumps({k: rows[-1][k] for k in ("backend", "decoder", "eager_tok_s", "compiled_tok_s")}),
+                  file=sys.stderr, flush=True)
+    cond = {**run_conditions(lm.model), "prompt_tokens": len(ids), "new_tokens": a.tokens, "rounds": a.rounds}
+    print(table(rows))
+    print(f"conditions: {json.dumps(cond)}", file=sys.stderr)
+    if a.out:
+        with open(a.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps({**r, "conditions": cond}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
