@@ -15,9 +15,10 @@
 #   4. ppl:     held-out perplexity (1,536 tokens of ShareGPT replies, windows of 512 every 256)
 #      of fp32, int8 and int4 weights x dense and int4 KV, transformers' fp32 the reference
 #                                                            (decodelab-micro part=perplexity)
-#   5. agree:   every cache x decoder x weights setup against dense, teacher-forced 24 tokens
-#      after 2 ShareGPT prompts of 300-500 tokens (workload=sharegpt-long: int4 KV reads most
-#      of each context quantized), 8 free                    (decodelab-agree)
+#   5. agree:   every cache x decoder x weights setup against dense, teacher-forced 64 tokens
+#      after 3 ShareGPT prompts of 380-500 tokens (workload=sharegpt-long: int4 KV reads most
+#      of each context quantized; 192 positions per setup, where 48 read int8 weights' top-1
+#      of about 0.97 as 0.917 on a Zen 5), 8 free           (decodelab-agree)
 # Where the minutes go: an estimated budget per step, 2 cores (AMD EPYC Zen 3, 2 torch
 # threads, llama.cpp installed: from the step times of experiments/results/main's run, scaled
 # by the work each step now does; to be measured): weights ~95 s, gamma ~135 s, context ~75 s
@@ -77,7 +78,7 @@ step ppl 0 "$B/decodelab-micro" part=perplexity ppl_tokens=1536 context=512 stri
     "${ARGS[@]}" ${PPL_ARGS:-} "hydra.run.dir=$OUT/ppl"
 agree=0
 # shellcheck disable=SC2086
-step agree "0 1" "$B/decodelab-agree" workload=sharegpt-long forced_tokens=24 free_tokens=8 "${ARGS[@]}" \
+step agree "0 1" "$B/decodelab-agree" workload=sharegpt-long forced_tokens=64 free_tokens=8 "${ARGS[@]}" \
     ${AGREE_ARGS:-} "hydra.run.dir=$OUT/agree" || agree=$?
 "$B/decodelab-report" "$OUT"
 echo "main job: $(( $(date +%s) - start )) s; every step's log, results and the plots above are in $OUT" >&2

@@ -123,7 +123,7 @@ def test_every_workload_instantiates_and_yields_prompts(workload, tmp_path, tiny
     f = tmp_path / "w.jsonl"
     f.write_text('{"prompt": "Hi there", "reference": "Hello!"}\n{"prompt": "Bye"}\n')
     extra = {"jsonl": [f"workload.path={f}"], "sharegpt": ["workload.n=2", "workload.max_prompt_tokens=64"],
-             "sharegpt-long": [], "synthetic": ["workload.lengths=[8,12]"], "agree-prompts": ["workload.n=2"]}[workload]
+             "sharegpt-long": ["workload.n=2"], "synthetic": ["workload.lengths=[8,12]"], "agree-prompts": ["workload.n=2"]}[workload]
     lm = tiny_with_tokenizer
     reqs = instantiate_unwrapped(config(f"workload={workload}", *extra).workload)(lm)
     assert len(reqs) == 2 and len({r.id for r in reqs}) == 2
