@@ -129,10 +129,6 @@ class StaticView:
     table: torch.Tensor  # [B, M] int32 on the device: block of row b's positions [i * bs, (i + 1) * bs)
     block_size: int  # bs
     host_table: torch.Tensor | None = None  # [B, M] the cache's table, edited in place by `plan`; None: fixed
-    #: per layer [B, Hkv, S, D]: the same storage as one row-major buffer per layer (a dense
-    #: cache, whose table is the identity), which a CPU step attends over directly; None: pools only
-    rows_k: list[torch.Tensor] | None = None
-    rows_v: list[torch.Tensor] | None = None
 
     def refresh(self) -> None:
         """Host -> device: the block table as the cache's last `plan` left it (the blocks
@@ -301,17 +297,19 @@ class KVCache:
         """After prefill: offer each row's prompt blocks for reuse. Default: nothing."""
 
     # -- called by decoders --------------------------------------------------------
-    def keep_branch(self, row: int, start: int, branch: list[int]) -> None:
+    def keep_branch(self, row: int, start: int, branch: list[int], parents: list[int]) -> None:
         """After a tree forward stored its T tokens at slots [start, start + T) of `row`
-        (`plan(..., parents=)`), keep the tokens `branch` (tree indices along one path from a
-        root, root first) at slots start, start + 1, ... (their positions) and drop the
-        rest: the row's length becomes start + len(branch), as if the branch had been
-        decoded token by token (a rollback of T - len(branch) tokens)."""
-        n = int(self.lengths[row]) - start
-        b = list(branch)
-        if any(t < 0 or t >= n for t in b) or any(x >= y for x, y in zip(b, b[1:])):
-            raise SetupError(f"branch {b} must be increasing tree indices in [0, {n}) of the tree forward that "
-                             f"row {row} holds from slot {start}")
+        (`plan(..., parents=)`; `parents` [T]: that row's tree), keep the tokens `branch`
+        (tree indices along one path from a root, root first) at slots start, start + 1,
+        ... (their positions) and drop the rest: the row's length becomes start +
+        len(branch), as if the branch had been decoded token by token (a rollback of
+        T - len(branch) tokens). A branch that is not such a path is refused."""
+        n, b, par = int(self.lengths[row]) - start, list(branch), [int(p) for p in parents]
+        path = len(par) == n and all(0 <= t < n for t in b) and (not b or par[b[0]] == -1) and all(
+            par[y] == x for x, y in zip(b, b[1:]))
+        if not path:
+            raise SetupError(f"branch {b} must be a path from a root of the tree forward (parents {par}) that row "
+                             f"{row} holds from slot {start}: each token the child of the one before it")
         moves = [(start + t, start + i) for i, t in enumerate(b) if t != i]  # dst < src: in order, no clobbering
         if moves:
             self._move_slots(row, [m[0] for m in moves], [m[1] for m in moves])

@@ -145,11 +145,11 @@ class DenseCache(KVCache):
     def static_view(self) -> StaticView:
         """Each layer's [B, Hkv, S, D] buffer read as a pool of blocks of its own rows (a
         strided view, no copy) with a fixed identity block table; blocks of
-        gcd(capacity, 64) slots. The buffers themselves come along (`rows_k`, `rows_v`)."""
+        gcd(capacity, 64) slots."""
         bs = math.gcd(self.capacity, 64)
         k, table = zip(*(dense_as_pool(t, bs) for t in self.k))  # [Hkv, N, bs, D] each, [B, S / bs]
         v = [dense_as_pool(t, bs)[0] for t in self.v]
-        return StaticView(list(k), v, table[0], bs, rows_k=list(self.k), rows_v=list(self.v))
+        return StaticView(list(k), v, table[0], bs)
 
     def fill_random(self, n_tokens: int, seed: int = 0) -> None:
         """Forget every row, then give each positions [0, n_tokens): `plan` books them

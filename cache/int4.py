@@ -336,6 +336,8 @@ class QuantizedCache(KVCache):
         views = plan.views[self.layout.windows[layer]]
         starts = self._exact_starts(layer, plan)
         kernel = plan.kernel_q is not None if impl is None else resolve_impl(impl, self.layout.device) == "triton"
+        if kernel and plan.tree is not None:
+            raise SetupError("the int4 Triton kernel attends causally: a tree of draft tokens takes impl=reference")
         lay, outs = self.layout, []
         for chunk, view in enumerate(views):  # one, unless the forward is long
             cols = slice(view.query_from, view.query_to)

@@ -5,7 +5,7 @@ A compiled step replays the same device work every step, so its plan cannot be t
 host-built `Plan` of an eager forward (Python ints, key spans that grow with the
 context). `KVCache.static_plan(tokens)` gives a `StaticPlan` instead: device buffers of
 fixed shape, refilled in place before every step (`load`: this step's positions, and the
-host bookkeeping `cache.plan` just did, such as a paged block table or a ring's slot
+host bookkeeping `cache.book` just did, such as a paged block table or a ring's slot
 positions), from which the graph derives what it needs (`begin`: lengths, block slots).
 Each backend's `attend(layer, q, k, v, plan)` takes it like any plan and attends over its
 whole storage, masked by position: dense and sliding's full layers read their row-major
@@ -99,7 +99,7 @@ class StaticPlan:
         self._opaque = {}
 
     def load(self, positions: torch.Tensor) -> None:
-        """Host -> device before a step, after `cache.plan` booked it: its positions [B, T]
+        """Host -> device before a step, after `cache.book` booked it: its positions [B, T]
         and what that bookkeeping changed (the block table, ring slot positions)."""
         self.pos.copy_(positions, non_blocking=True)
         if self.storage is not None:

@@ -80,7 +80,7 @@ def tree_visible(tree: Tree, kpos: torch.Tensor, window: int | None, sinks: int 
     """[B, T, S] bool: which keys at slots kpos [B, S] (-1: empty) each token of the tree
     forward sees. Held keys (slot < start): causal at the token's position, inside the
     window (or among the first `sinks`); the forward's own keys: its ancestors and itself,
-    inside the window by their positions."""
+    inside the window by their positions (or among the first `sinks`)."""
     q, k = tree.positions[:, :, None], kpos[:, None, :]  # [B, T, 1], [B, 1, S]
     start = tree.start[:, None, None]
     held = (k >= 0) & (k < start) & (k <= q)
@@ -90,6 +90,7 @@ def tree_visible(tree: Tree, kpos: torch.Tensor, window: int | None, sinks: int 
     own = (k >= start) & (k < start + T)  # [B, 1, S]
     idx = (k - start).clamp(0, T - 1)  # [B, 1, S] the tree index of each of the forward's own keys
     own = own & tree.ancestors.gather(2, idx.expand(-1, T, -1))
-    if window is not None:  # by the keys' own positions (their depths)
-        own &= tree.positions.gather(1, idx[:, 0])[:, None, :] > q - window
+    if window is not None:  # by the keys' own positions (their depths), sinks kept
+        kp = tree.positions.gather(1, idx[:, 0])[:, None, :]  # [B, 1, S]
+        own &= (kp > q - window) | (kp < sinks)
     return held | own

@@ -283,19 +283,29 @@ class Engine:
         """K/V bytes one row of `tokens` tokens takes: the target's and a draft's."""
         return self.cache.row_bytes(tokens) + self.decoder.row_bytes(tokens)
 
-    def _used(self, extra: dict[int, int] | None = None) -> int:
+    def _used(self, extra: dict[int, int] | None = None, target_only: bool = False) -> int:
         """KV bytes the running requests hold (shared storage once, `held_bytes`; a draft
-        model's cache too), plus the rest of each prefilling request's prompt (reserved when
-        it was admitted) and what `extra` more tokens per decoding row would add (`row_bytes`
-        growth: an upper bound)."""
-        c = self.cache
-        more = {r.row: len(r.feed) + 1 - r.fed for r in self.running.values() if r.prefilling} | (extra or {})
+        model's cache too, unless `target_only`), plus the rest of each prefilling request's
+        prompt in the target's cache (reserved when it was admitted; a draft model prefilled
+        all of it at admission, so it holds it already) and what `extra` more tokens per
+        decoding row would add to both (`row_bytes` growth: an upper bound)."""
+        c, d = self.cache, (lambda n: 0) if target_only else self.decoder.row_bytes
+        prefilling = {r.row: len(r.feed) + 1 - r.fed for r in self.running.values() if r.prefilling}
         grow = 0
-        for row, n in more.items():
+        for row, n in (prefilling | (extra or {})).items():
             have = int(c.lengths[row])
-            grow += self._row_bytes(have + n) - self._row_bytes(have)
+            grow += c.row_bytes(have + n) - c.row_bytes(have)
+            if row not in prefilling or row in (extra or {}):
+                grow += d(have + n) - d(have)
         rows = list(self.running)
-        return c.held_bytes(rows) + self.decoder.held_bytes(rows) + grow
+        return c.held_bytes(rows) + (0 if target_only else self.decoder.held_bytes(rows)) + grow
+
+    def _over(self, extra: dict[int, int], target_grow: int = 0, draft_grow: int = 0) -> bool:
+        """Whether the running requests, `extra` more tokens per decoding row and the given
+        growth overrun the KV budget, or the target's own cache (a draft model's budget
+        must not let the target's pool run out)."""
+        total = self._used(extra) + target_grow + draft_grow > self.kv_budget
+        return total or self._used(extra, target_only=True) + target_grow > self.cache.budget_bytes()
 
     def _admit(self, requests, results, clock) -> None:
         """FCFS: admit the queue's head while a row is free and its prompt fits the budget."""
@@ -307,9 +317,9 @@ class Engine:
             row = free[0]
             reused = self.cache.reuse_prefix([feed], [row])[0]  # maps a cached prefix: charged once
             # its prompt, reserved (a draft model prefills all of it: no prefix of its own reused)
-            grow = (self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)
-                    + self.decoder.row_bytes(len(feed) + 1))
-            if self.running and self._used(self._step_growth(self.headroom)) + grow > self.kv_budget:
+            target_grow = self.cache.row_bytes(len(feed) + 1) - self.cache.row_bytes(reused)
+            if self.running and self._over(self._step_growth(self.headroom), target_grow,
+                                           self.decoder.row_bytes(len(feed) + 1)):
                 self.cache.release(row)
                 return
             self.waiting.popleft()
@@ -345,7 +355,7 @@ class Engine:
         n = 0
         while len(self.running) > 1:
             decode, _ = self._plan()
-            if self._used(self._step_growth(1, decode)) <= self.kv_budget:
+            if not self._over(self._step_growth(1, decode)):
                 break
             self._preempt(max(self.running.values(), key=lambda r: r.order))
             n += 1

@@ -239,7 +239,7 @@ class SpeculativeDecoder:
         self._stats = SpeculativeStats(self.gamma_max, rows=len(prompts))
         if hasattr(self.drafter, "lookahead"):  # a draft with a cache of its own rolls back up to gamma_max
             self.drafter.lookahead = self.gamma_max
-        self.drafter.begin(prompts, capacity, compile=compile)
+        self.drafter.begin(prompts, capacity, **({"compile": True} if compile else {}))
 
     def start(self, logits: torch.Tensor, hidden: dict | None = None) -> torch.Tensor:
         """The first tokens [B] from the prefill's last logits [B, V]; the prompts' hidden
@@ -264,16 +264,16 @@ class SpeculativeDecoder:
 
     # -- the drafter's KV (a draft model's own cache), which a serving engine charges ------
     def held_bytes(self, rows: list[int]) -> int:
-        """K/V bytes the drafter's cache holds for these rows (0 without one)."""
-        return self.drafter.held_bytes(rows)
+        """K/V bytes the drafter's cache holds for these rows (0 for a drafter that declares none)."""
+        return getattr(self.drafter, "held_bytes", lambda rows: 0)(rows)
 
     def row_bytes(self, tokens: int) -> int:
         """K/V bytes the drafter's cache takes for one row of `tokens` tokens."""
-        return self.drafter.row_bytes(tokens)
+        return getattr(self.drafter, "row_bytes", lambda tokens: 0)(tokens)
 
     def budget_bytes(self, batch_size: int, capacity: int) -> int:
         """The most K/V bytes the drafter's cache holds beside a target cache of these sizes."""
-        return self.drafter.budget_bytes(batch_size, capacity)
+        return getattr(self.drafter, "budget_bytes", lambda b, c: 0)(batch_size, capacity)
 
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,

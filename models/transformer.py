@@ -239,7 +239,8 @@ class Transformer(nn.Module):
         """Logits [B, T, V] (or [B, K, V] with `logit_index`); with `hidden_layers`, the pair
         (logits, {layer: [B, T, dim]}): for i < n_layers the residual stream after block i,
         for i = n_layers the final norm's output (what the head reads), at every position
-        of the forward (zeros at padding), for a drafter that reads the target's states."""
+        of the forward (at padding: zeros where the valid tokens were packed, else what was
+        computed there, never meaningful), for a drafter that reads the target's states."""
         raise_if(self.hidden_problems(hidden_layers))
         if plan is None:
             plan = cache.plan(positions, valid) if rows is None else cache.plan(positions, valid, rows=rows)

@@ -1,8 +1,8 @@
 """INT4 decode attention over what the int4 cache stores (cache/int4.py): per row, the
 quantized store (quanto-packed codes, scales and offsets of positions [0, Qs); the codec
 is cache/int4_codec.py) and the exact store (positions [exact_start, len) in the layout's
-dtype). The cache hands them over through its public `kernel_rows(layer)` and
-`kernel_queries()`.
+dtype). The cache hands them over through its public `kernel_rows(layer, plan)` and
+`kernel_queries(plan)`.
 
 The visibility rule is the cache's: a query at q sees positions below V(q) (`vis`)
 dequantized and [V(q), q] exact, inside its window. Per row the keys read are

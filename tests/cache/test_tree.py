@@ -82,7 +82,7 @@ def test_a_tree_verified_in_one_forward_keeps_its_branch(tiny_models, name, back
     tol = dict(rtol=0, atol=2e-4 if backend == "int4" else 1e-5)
     for t in path:  # each accepted node's logits are the one-token step's at its position
         torch.testing.assert_close(logits[t], want_logits[RIGHT[t]], **tol)
-    c.keep_branch(0, PROMPT, path)
+    c.keep_branch(0, PROMPT, path, PARENTS)
     assert c.lengths.tolist() == [PROMPT + 4]
     got, got_logits = greedy_steps(m, c, int(logits[6].argmax()), PROMPT + 4, AFTER)
     assert got == want[4:]
@@ -124,15 +124,35 @@ def test_bad_trees_are_refused(parents, positions, msg):
 
 
 def test_keep_branch_refuses_what_is_not_a_path():
+    """Tree 0 -> {1, 2}: [0, 2] is a path; two siblings, a wrong order, an index past the
+    tree, or a branch not starting at a root are not (each would leave the row corrupt)."""
     c = DenseCache(CacheLayoutFor(), 1, 16)
     c.plan(torch.arange(3)[None])
-    c.plan(torch.tensor([[3, 4, 4]]), parents=[-1, 0, 0])
-    with pytest.raises(SetupError, match="increasing tree indices"):
-        c.keep_branch(0, 3, [0, 2, 1])
-    with pytest.raises(SetupError, match="increasing tree indices"):
-        c.keep_branch(0, 3, [0, 3])
-    c.keep_branch(0, 3, [0, 2])
+    parents = [-1, 0, 0]
+    c.plan(torch.tensor([[3, 4, 4]]), parents=parents)
+    for bad in ([1, 2], [0, 2, 1], [0, 3], [2]):
+        with pytest.raises(SetupError, match="must be a path from a root"):
+            c.keep_branch(0, 3, bad, parents)
+    assert c.lengths.tolist() == [6]  # refused before anything moved
+    c.keep_branch(0, 3, [0, 2], parents)
     assert c.lengths.tolist() == [5]
+
+
+@torch.no_grad()
+def test_a_tree_keeps_its_sink_tokens_past_the_window(tiny_models):
+    """A 1-token prompt, then a chain of 6 tree tokens through a 4-token window with 2 sinks:
+    the tree's own tokens at positions below the sinks stay visible to later ones, as they
+    do in one-token decoding."""
+    m = tiny_models["llama"].model
+    factory = functools.partial(SlidingCache, window=4, sinks=2, rollback=8)
+    ids = random_ids(7, m.cfg.vocab_size, seed=4)
+    ref = cache_for(m, 1, 16, factory)
+    want = torch.cat([m(torch.tensor([[t]]), torch.tensor([[p]]), ref)[0] for p, t in enumerate(ids)])  # [7, V]
+    c = cache_for(m, 1, 16, factory)
+    m(torch.tensor([ids[:1]]), torch.tensor([[0]]), c)
+    pos = torch.arange(1, 7)[None]
+    got = m(torch.tensor([ids[1:]]), pos, c, plan=c.plan(pos, parents=[-1, 0, 1, 2, 3, 4]))[0]  # [6, V]
+    torch.testing.assert_close(got, want[1:], rtol=0, atol=1e-5)
 
 
 def CacheLayoutFor():

@@ -56,7 +56,8 @@ def requests(prompts, spread: float = 0.0) -> list[Request]:
             for i, p in enumerate(prompts)]
 
 
-CASES = ([("llama", b, 6, "decode-first") for b in ON["llama"]] + [("gemma3", b, 256, "decode-first") for b in ON["gemma3"]]
+CASES = ([("llama", b, 6, "decode-first") for b in ON["llama"]]
+         + [("gemma3", b, 256, "decode-first") for b in ON["gemma3"]]
          + [(n, "paged", 8, "prefill-first") for n in ("llama", "gemma3")])
 
 
@@ -322,6 +323,41 @@ def test_a_draft_models_cache_is_charged_to_the_kv_budget(tiny_models):
     r = serve(lm.model, cache_for(lm.model, 2, 64), decoder, [Request(random_ids(20, seed=2), 8)])
     held = max(t["kv_bytes"] for t in r.timeline)  # after a step: the prompt and its first tokens, in both caches
     assert r.requests[0].tokens and held >= cache.row_bytes(21) + decoder.row_bytes(21)
+
+
+def test_a_draft_budget_never_lets_the_target_pool_run_out(tiny_models):
+    """A dense draft beside a small paged pool: the default budget (both caches) is larger
+    than the pool, but each step still fits the pool itself (the engine preempts for it
+    instead of running the pool dry inside a speculative round); the outputs stay greedy's."""
+    from decodelab.decoding.drafters import early_exit
+
+    lm = tiny_models["llama"]
+    m = lm.model
+    prompts = [random_ids(40, seed=i) for i in range(4)]
+    cache = cache_for(m, 4, 80, functools.partial(PagedCache, block_size=4, num_blocks=40))
+    r = serve(m, cache, SpeculativeDecoder(early_exit(lm, 1, cache=DenseCache), gamma=3),
+              [Request(p, 30) for p in prompts])
+    assert [x.tokens for x in r.requests] == [generate(m, cache_for(m, 1, 80), greedy(), [p], 30).tokens[0]
+                                              for p in prompts]
+    assert r.preemptions > 0
+
+
+def test_a_prefilling_requests_draft_rows_are_charged_once(tiny_models):
+    """A draft model prefills an admitted request's whole prompt at once: while the target
+    still prefills it, the charge is the target's reserve plus what the draft holds."""
+    from decodelab.decoding.drafters import early_exit
+
+    lm = tiny_models["llama"]
+    cache = cache_for(lm.model, 2, 64)
+    decoder = SpeculativeDecoder(early_exit(lm, 1), gamma=3)
+    eng = Engine(lm.model, cache, decoder)
+    eng.run([])  # begins the decoder
+    eng.waiting, eng.running, eng._order = __import__("collections").deque([0]), {}, 0
+    req = Request(random_ids(40, seed=3), 4)
+    from decodelab.decoding.engine import RequestResult
+
+    eng._admit([req], [RequestResult(0, 40, 0.0)], lambda: 0.0)
+    assert eng._used() == cache.row_bytes(41) + decoder.row_bytes(40)
 
 
 def test_speculative_rows_near_capacity_are_released_with_their_request(tiny_models):
