@@ -19,10 +19,9 @@
 #      after 3 ShareGPT prompts of 380-500 tokens (workload=sharegpt-long: int4 KV reads most
 #      of each context quantized; 192 positions per setup, where 48 read int8 weights' top-1
 #      of about 0.97 as 0.917 on a Zen 5), 8 free           (decodelab-agree)
-# Where the minutes go: an estimated budget per step, 2 cores (AMD EPYC Zen 3, 2 torch
-# threads, llama.cpp installed: from the step times of experiments/results/main's run, scaled
-# by the work each step now does; to be measured): weights ~95 s, gamma ~135 s, context ~75 s
-# + sliding ~40 s, ppl ~65 s, agree ~115 s, report ~12 s: ~540 s of the 10 minutes.
+# Where the minutes go, measured (experiments/results/main: 2 cores, AMD EPYC Zen 5, 2 torch
+# threads, 327 s wall): weights 45 s, gamma 64 s, context 34 s + sliding 14 s, ppl 50 s,
+# agree 117 s; a Zen 3 of the same size takes about 1.6x as long (the earlier four-step job).
 #   bash scripts/main_job.sh [OVERRIDE ...]     # into $DECODELAB_MAIN (default: outputs/main)
 # Each OVERRIDE goes to every step, so only keys all of them take: threads= (default: the
 # machine's cores), model=, model.dtype=. Each step's own options can be extended through
