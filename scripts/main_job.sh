@@ -21,7 +21,7 @@
 #      of about 0.97 as 0.917 on a Zen 5), 8 free           (decodelab-agree)
 # Where the minutes go, measured (experiments/results/main: 2 cores, AMD EPYC Zen 5, 2 torch
 # threads, 327 s wall): weights 45 s, gamma 64 s, context 34 s + sliding 14 s, ppl 50 s,
-# agree 117 s; a Zen 3 of the same size takes about 1.6x as long (the earlier four-step job).
+# agree 117 s (a slower CPU takes longer: budget the 10 minutes accordingly).
 #   bash scripts/main_job.sh [OVERRIDE ...]     # into $DECODELAB_MAIN (default: outputs/main)
 # Each OVERRIDE goes to every step, so only keys all of them take: threads= (default: the
 # machine's cores), model=, model.dtype=. Each step's own options can be extended through
