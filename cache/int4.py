@@ -79,6 +79,7 @@ from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_ca
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
 from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_triton
+from decodelab.cache.static import HostPlan
 from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
 
@@ -319,7 +320,10 @@ class QuantizedCache(KVCache):
     def attend(self, layer, q, k, v, plan: Int4Plan):
         """Store the valid k, v [B, Hkv, T, D] and quantize the blocks now due; attend q
         [B, Hq, T, D] with the version of every key its position calls for; then drop the
-        exact copies that no query can need any more."""
+        exact copies that no query can need any more. In a compiled step (a `HostPlan`)
+        this runs as one opaque call inside the graph, on the plan booked before the step."""
+        if isinstance(plan, HostPlan):
+            return plan.attend(layer, q, k, v)
         self._store(layer, k, v, plan)
         out = self.attention(layer, q, plan)
         self._flush(layer, plan)
@@ -565,6 +569,16 @@ class QuantizedCache(KVCache):
     def read_bytes(self, context: int) -> int:
         """Bytes a decode step reads: the stores as they are (`nbytes`; they hold `context`)."""
         return self.nbytes()
+
+    def static_plan(self, tokens: int = 1, impl: str = "auto") -> HostPlan:
+        """The compiled CPU step's plan: the model compiled, each layer's int4 attention one
+        opaque host call in the graph on the eager plan booked before the step
+        (cache/static.py's `HostPlan`). On CUDA refused: a captured graph replays no host work."""
+        if self.layout.device.type != "cpu":
+            raise self.refusal("run a compiled (CUDA-graph) decode step",
+                               "its attention plans and quantizes on the host every forward, which a captured "
+                               "graph would not replay; run it eager (compile=false: its Triton kernel decodes)")
+        return HostPlan(self, tokens)
 
     def static_view(self):
         """Refused: int4's storage has no fixed shape."""

@@ -18,6 +18,9 @@ traced with the model into one graph.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from decodelab.cache.base import StaticView, reference_attention
@@ -98,6 +101,12 @@ class StaticPlan:
         self.sinks = sinks
         self._opaque = {}
 
+    def book(self, cache, positions: torch.Tensor) -> None:
+        """The host side of a step: the cache books it (`cache.book`: lengths, blocks, ring
+        slots; no attention runs), then `load` copies what the graph reads."""
+        cache.book(positions)
+        self.load(positions)
+
     def load(self, positions: torch.Tensor) -> None:
         """Host -> device before a step, after `cache.book` booked it: its positions [B, T]
         and what that bookkeeping changed (the block table, ring slot positions)."""
@@ -169,3 +178,69 @@ class StaticPlan:
         held, qpos = self.rings[ring][1][:, None, :], self.pos[..., None]  # [B, 1, slots], [B, T, 1]
         seen = (held >= 0) & (held <= qpos) & ((held > qpos - window) | (held < self.sinks))  # [B, T, slots]
         return masked_attention(q, keys, values, seen, self.layout)
+
+
+class HostPlan:
+    """The plan of a compiled CPU step over a cache whose attention does host work every
+    forward (int4: quantizing due blocks, per-row stores that grow, key spans planned in
+    Python), so that its storage has no fixed shape. Everything else of the step (the
+    projections, norms, RoPE, MLPs, the head) is compiled as one graph; each layer's
+    attention is one opaque call in it (`decodelab::host_attend`, a torch custom op whose
+    output has q's fixed shape), which runs the backend's eager `attend` with the eager
+    plan booked before the step. vLLM's compiled models leave attention out of the graph
+    the same way (its `unified_attention` op). The per-step plan is the eager one, so the
+    step's attention is the eager path's to the bit; only the graph's float fusion differs.
+
+    On CUDA a captured graph would replay none of the host work: refused there (the
+    backend says so in its `static_plan`)."""
+
+    traced = True  # the model is traced into one graph with the host calls inside
+
+    def __init__(self, cache, tokens: int = 1):
+        register_host_attend()
+        self.cache, self.tokens = cache, tokens
+        self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
+        self.current = None  # the eager plan of the step about to run (`book`)
+        handle = next(_HANDLES)
+        _HOST_PLANS[handle] = self  # weakly: a dropped step frees its cache
+        # the handle as data, not a constant: a graph input, so that every step of the same
+        # shapes reuses one compiled graph (an int would be specialized and guarded on)
+        self.handle = torch.tensor(handle)
+
+    def book(self, cache, positions: torch.Tensor) -> None:
+        """Host side of a step: plan it on the cache (its eager plan, kept for the calls)."""
+        self.current = cache.plan(positions)
+        self.pos.copy_(positions)
+
+    def begin(self) -> None:
+        """Nothing to derive on the device: the host plan holds it all."""
+
+    def attend(self, layer: int, q, k, v):
+        """The layer's attention through the opaque op (traced as one call)."""
+        return torch.ops.decodelab.host_attend(q, k, v, layer, self.handle)
+
+
+#: the live HostPlans of the process, by handle (what the traced op carries)
+_HOST_PLANS: "weakref.WeakValueDictionary[int, HostPlan]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+_REGISTERED = False
+
+
+def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                      handle: torch.Tensor) -> torch.Tensor:
+    plan = _HOST_PLANS.get(int(handle))
+    if plan is None or plan.current is None:
+        raise RuntimeError("a compiled step's host attention ran without its booked plan (HostPlan.book before "
+                           "every step; the step's HostPlan must be alive)")
+    return plan.cache.attend(layer, q, k, v, plan.current)
+
+
+def register_host_attend() -> None:
+    """Register `decodelab::host_attend` once per process (on first use: nothing eager pays
+    for it). Its fake implementation gives q's shape and dtype, all inductor needs."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    op = torch.library.custom_op("decodelab::host_attend", _host_attend_impl, mutates_args=())
+    op.register_fake(lambda q, k, v, layer, handle: torch.empty_like(q))

@@ -17,9 +17,11 @@ storage, masked by position. Shapes never change, so one compile serves every st
 that model, batch and capacity (`static_capacity` rounds capacities up so that nearby
 lengths share it).
 
-Which caches can: those whose `static_plan` succeeds (dense, paged and sliding); the
-others refuse with their reason (int4: per-row stores that grow on the host), collected
-by `static_problems` before anything is built.
+Which caches can: those whose `static_plan` succeeds (dense, paged and sliding; int4 on
+a CPU, whose plan is a `HostPlan`: its attention one opaque host call per layer inside the
+graph, on the eager plan booked before the step); the others refuse with their reason
+(int4 on CUDA: a captured graph replays no host work), collected by `static_problems`
+before anything is built.
 """
 
 from __future__ import annotations
@@ -104,8 +106,7 @@ class StaticDecoder:
         """Feed last [B] (ids [B, T] with `tokens` T) at each row's next positions (from the
         cache's lengths); logits [B, V] ([B, T, V])."""
         pos = self.cache.lengths[:, None] + torch.arange(self.tokens)  # [B, T] host
-        self.cache.book(pos)  # host bookkeeping: lengths, blocks, ring slots (no attention runs here)
-        self.plan.load(pos)
+        self.plan.book(self.cache, pos)  # host bookkeeping (lengths, blocks, ring slots, int4's plan), then loads
         self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)
         if self.mode == "compile" and self.cache.layout.device.type != "cuda":
             return self._compiled_call()

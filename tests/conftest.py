@@ -71,3 +71,16 @@ def gemma3_270m():
     from decodelab.models.loading import load
 
     return load("gemma3-270m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compiles_per_module():
+    """Forget torch.compile's compiled steps after each test module: every module compiles
+    its own shapes of the same step function, and together they would pass dynamo's
+    recompile limit (decoding/compiled.py's RECOMPILE_LIMIT, an error by design). Nothing
+    to do where no test compiled (torch._dynamo never imported)."""
+    yield
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()

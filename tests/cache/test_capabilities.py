@@ -112,3 +112,17 @@ def test_sliding_without_rings_offers_the_dense_view():
     view = c.static_view()
     assert view.block_size == 64 and view.table.tolist() == [[0], [2]]  # row b: block b x Hkv of each pool
     assert torch.equal(view.k[0][:, 2, :N], c.read(0, 1)[1])
+
+
+def test_every_backend_plans_a_compiled_cpu_step(backend):
+    """Every backend of conf/cache/ gives a compiled CPU step its plan (a fixed-shape
+    `StaticPlan`, or int4's `HostPlan`), with the step's positions as a [B, T] buffer
+    that the host refills; tests/decoding/test_compiled.py runs each against eager."""
+    c = filled(backend)
+    for tokens in (1, 3):
+        p = c.static_plan(tokens)
+        assert p.traced and p.pos.shape == (2, tokens)
+        pos = c.lengths[:, None] + torch.arange(tokens)
+        p.book(c, pos)  # the host side of one step: the cache books it, the buffer holds its positions
+        assert torch.equal(p.pos, pos) and c.lengths.tolist() == [N + tokens] * 2
+        c.truncate([N, N])

@@ -1,6 +1,6 @@
 """The static decode step (decoding/compiled.py) against the plain decode step: same
-greedy tokens and logits on the CPU, for dense, paged and sliding caches, in eager mode
-and through torch.compile (backend=eager). The CUDA-graph mode runs in experiments/gpu_check."""
+greedy tokens and logits on the CPU, for dense, paged, sliding and int4 caches, in eager
+mode and through torch.compile (backend=eager, and inductor). The CUDA-graph mode runs in experiments/gpu_check."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from functools import partial
 import pytest
 import torch
 
+from decodelab.cache.base import KVCache
+from decodelab.cache.dense import DenseCache
 from decodelab.cache.int4 import QuantizedCache
 from decodelab.cache.paged import PagedCache
 from decodelab.cache.sliding import SlidingCache
@@ -173,19 +175,54 @@ def test_dense_as_pool_addresses_each_rows_positions():
         assert torch.equal(pool[h, table[b, p // 4], p % 4], t[b, h, p])
 
 
+# int4 with a 4-token residual and 32-token blocks: both rows quantize a block mid-decode
+INT4 = partial(QuantizedCache, group_size=32, residual=4)
+INT4_PROMPTS = [random_ids(30, seed=7), random_ids(20, seed=8)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+@torch.no_grad()
+def test_static_int4_step_is_the_eager_int4_step(tiny_llama, mode):
+    """int4's compiled step (a `HostPlan`: the model traced, each layer's int4 attention one
+    opaque host call on the eager plan booked before the step): the same tokens and logits
+    as plain int4 decode steps, across a block quantized mid-decode in both rows."""
+    model = tiny_llama.model
+    runs = []
+    for static_step in (False, True):
+        cache = cache_for(model, 2, 96, INT4)
+        last, out = prefill(model, cache, INT4_PROMPTS).argmax(-1), []
+        kw = dict(mode=mode, backend="eager") if mode == "compile" else dict(mode=mode)
+        step = StaticDecoder(model, cache, **kw).step if static_step else (
+            lambda t: model(t[:, None], cache.lengths[:, None], cache)[:, -1])
+        for _ in range(24):
+            logits = step(last).clone()
+            out.append(logits)
+            last = logits.argmax(-1)
+        assert cache.quantized_len.tolist() == [32, 32]  # a block was quantized during the decode
+        runs.append(torch.stack(out, 1))
+    assert torch.equal(runs[0].argmax(-1), runs[1].argmax(-1))
+    assert (runs[0] - runs[1]).abs().max().item() < 1e-4
+
+
 def test_unsupported_caches_and_modes_are_refused(tiny_llama, tiny_gemma):
     """The cache's own refusal (its `static_plan`), not a list of types, says why."""
     model = tiny_llama.model
-    with pytest.raises(SetupError, match="QuantizedCache backend cannot .* int4 grows per-row stores"):
-        StaticDecoder(model, cache_for(model, 1, 32, partial(QuantizedCache, group_size=32)), mode="eager")
+    with pytest.raises(SetupError, match="NoStaticStorage backend cannot give a fixed-shape view .* declares no fixed"):
+        StaticDecoder(model, cache_for(model, 1, 32, NoStaticStorage), mode="eager")
     gemma = tiny_gemma.model  # windowed layers: sliding keeps rings of window + rollback (2) slots
     with pytest.raises(SetupError, match="SlidingCache backend cannot run a compiled step of 4 tokens .* >= 3"):
         StaticDecoder(gemma, cache_for(gemma, 1, 32, partial(SlidingCache, rollback=2)), mode="eager", tokens=4)
     with pytest.raises(SetupError, match="CUDA"):
         StaticDecoder(model, cache_for(model, 1, 32), mode="graph")
     with pytest.raises(SetupError) as e:  # every reason at once
-        StaticDecoder(model, cache_for(model, 1, 32, partial(QuantizedCache, group_size=32)), mode="fast")
+        StaticDecoder(model, cache_for(model, 1, 32, NoStaticStorage), mode="fast")
     assert len(e.value.reasons) == 2
+
+
+class NoStaticStorage(DenseCache):
+    """A backend that declares no fixed-shape storage (the base class's refusal)."""
+
+    static_view = KVCache.static_view
 
 
 # -- generate(compile=True) -------------------------------------------------------------------------
@@ -203,13 +240,14 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(g, "compiled_step", partial(g.compiled_step, backend="eager"))
 
 
-@pytest.mark.parametrize("backend", ["dense", "paged", "sliding"])
+@pytest.mark.parametrize("backend", ["dense", "paged", "sliding", "int4"])
 def test_generate_compiled_equals_eager_every_family(tiny, backend, eager_backend):
     """Greedy and seeded sampling: token-identical with and without compile=True, on
     every tiny family (Gemma 3's windowed layers included: the dense buffers are masked
     by each layer's window; sliding keeps rings for them, and plain storage elsewhere)."""
     model = tiny.model
-    factory = {"dense": None, "paged": partial(PagedCache, block_size=4), "sliding": SlidingCache}[backend]
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4), "sliding": SlidingCache,
+               "int4": INT4}[backend]
     for make in (lambda: SamplingDecoder(temperature=0.0), lambda: SamplingDecoder(temperature=0.8, top_k=20, seed=3)):
         want = _gen(model, factory, make(), False)
         got = _gen(model, factory, make(), True)
@@ -237,15 +275,16 @@ def test_static_verify_step_matches_the_model_forward(tiny_llama):
     assert (a - b).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("backend", list(FACTORIES))
+@pytest.mark.parametrize("backend", [*FACTORIES, "int4"])
 def test_generate_compiled_with_inductor(tiny_llama, backend):
     """The real thing: inductor's CPU code, equal to the eager loop token for token, and a
-    second generate of the same shapes reuses the compiled step (no new compile)."""
+    second generate of the same shapes reuses the compiled step (no new compile). int4:
+    prompts long enough that a block is quantized while decoding."""
     model = tiny_llama.model
-    factory = FACTORIES[backend]
-    want = _gen(model, factory, greedy(), False, n=12)
-    first = _gen(model, factory, greedy(), True, n=12)
-    again = _gen(model, factory, greedy(), True, n=12)
+    factory, prompts = (INT4, INT4_PROMPTS) if backend == "int4" else (FACTORIES[backend], PROMPTS)
+    want = _gen(model, factory, greedy(), False, prompts, n=12, capacity=64)
+    first = _gen(model, factory, greedy(), True, prompts, n=12, capacity=64)
+    again = _gen(model, factory, greedy(), True, prompts, n=12, capacity=64)
     assert first.tokens == want.tokens == again.tokens
     assert again.compile_s < first.compile_s / 5
 
@@ -254,14 +293,14 @@ def test_generate_compile_refusals(tiny_llama):
     """compile=True with a cache that has no fixed-shape plan, or a decoder that declares
     no step that compiles: refused before any forward, the fix named. A speculative
     decoder verifies eagerly, so its target cache need not compile: prompt lookup (no
-    model step to compile) on int4 runs, token-identical to compile=False."""
+    model step to compile) on such a cache runs, token-identical to compile=False."""
     from decodelab.decoding.drafters import PromptLookupDrafter
     from decodelab.decoding.speculative import SpeculativeDecoder
 
     model = tiny_llama.model
-    int4 = partial(QuantizedCache, group_size=32)
+    int4 = NoStaticStorage
     cache = cache_for(model, 2, 40, int4)
-    with pytest.raises(SetupError, match="compile=true: the QuantizedCache backend cannot"):
+    with pytest.raises(SetupError, match="compile=true: the NoStaticStorage backend cannot"):
         generate(model, cache, greedy(), PROMPTS, 4, compile=True)
     assert int(cache.lengths.max()) == 0  # nothing ran
 

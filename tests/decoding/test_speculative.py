@@ -261,7 +261,7 @@ def eager_draft_compile(monkeypatch):
                         functools.partial(drafters_module.compiled_step, backend="eager"))
 
 
-@pytest.mark.parametrize("backend", ["dense", "paged"])
+@pytest.mark.parametrize("backend", ["dense", "paged", "int4"])
 def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_compile):
     """compile=True drafters (quantized self-draft, early exit) on every tiny family: the
     output is the target's greedy output, the drafts are the uncompiled drafter's (the
@@ -274,7 +274,10 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
     from decodelab.models.quantize import weight_problems
 
     m = tiny.model
-    factory = {"dense": None, "paged": partial(PagedCache, block_size=4)}[backend]
+    from decodelab.cache.int4 import QuantizedCache
+
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4),  # int4: a HostPlan's compiled steps
+               "int4": partial(QuantizedCache, group_size=32, residual=4)}[backend]
     cache = lambda: cache_for(m, 2, 80) if factory is None else cache_for(m, 2, 80, factory)  # noqa: E731
     prompts = [repetitive_prompt(), random_ids(9, m.cfg.vocab_size, seed=2)]
     plain = generate(m, cache(), greedy(), prompts, 20)
@@ -293,14 +296,16 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
 
 
 def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, eager_draft_compile):
-    from functools import partial
-
-    from decodelab.cache.int4 import QuantizedCache
+    from decodelab.cache.base import KVCache
+    from decodelab.cache.dense import DenseCache
     from decodelab.decoding.drafters import quantized_self
 
+    class NoStaticStorage(DenseCache):
+        static_view = KVCache.static_view  # declares no fixed-shape storage
+
     m = tiny_llama.model
-    d = quantized_self(tiny_llama, "int8", cache=partial(QuantizedCache, group_size=32), compile=True)
-    with pytest.raises(SetupError, match="draft self-int8: the QuantizedCache backend cannot give a fixed-shape"):
+    d = quantized_self(tiny_llama, "int8", cache=NoStaticStorage, compile=True)
+    with pytest.raises(SetupError, match="draft self-int8: the NoStaticStorage backend cannot give a fixed-shape"):
         generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d, gamma=2), [random_ids(8, seed=3)], 4)
 
 
