@@ -50,7 +50,7 @@ class ModelDrafter:
     """Draft with a model whose vocabulary is the target's, through its own cache."""
 
     def __init__(self, model, cache=DenseCache, tokenizer=None, target_tokenizer=None, name: str = "draft",
-                 compile: bool = False):
+                 compile: bool = False, gamma: int = 4):
         if cache is None:  # a conf/draft yaml's `cache: null` reached a builder as is: the default
             cache = DenseCache
         elif isinstance(cache, str):
@@ -60,6 +60,7 @@ class ModelDrafter:
         self.model, self.cache_factory, self.name = model, cache, name
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
         self.compile = compile
+        self.gamma = gamma  # its best measured lookahead: the decoder's gamma where none is given
         self.cache = self.static = None
         self.lookahead = 1  # tokens the draft cache must roll back (the decoder's gamma, set before `begin`)
         self.compile_s = 0.0  # the last `begin`'s compile (compile=True), which `generate` reports apart
@@ -180,8 +181,9 @@ class PromptLookupDrafter:
     """Propose the tokens that followed the latest earlier occurrence of the last n-gram
     (n from `max_ngram` down to `min_ngram`) in the prompt and the text so far."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 4):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.gamma = gamma  # its best measured lookahead: the decoder's gamma where none is given
 
     def __repr__(self) -> str:
         return f"PromptLookupDrafter(ngram {self.min_ngram}..{self.max_ngram})"
@@ -246,37 +248,49 @@ class PromptLookupDrafter:
 
 
 # -- builders used by conf/draft/*.yaml (`target` is the target's LoadedModel) ----------
-def early_exit(target, layers: int, cache=DenseCache, compile: bool = False) -> ModelDrafter:
+def early_exit(target, layers: int, cache=DenseCache, compile: bool = False, gamma: int = 4) -> ModelDrafter:
     """Truncated self-draft: the target's first `layers` layers + final norm + head."""
     from decodelab.models.errors import SetupError
 
     n = target.model.cfg.n_layers
     if not isinstance(layers, int) or not 1 <= layers < n:
         raise SetupError(f"early-exit draft layers must be in [1, {n - 1}] for this {n}-layer target, got {layers}")
-    return ModelDrafter(EarlyExit(target.model, layers), cache, name=f"early-exit-{layers}", compile=compile)
+    return ModelDrafter(EarlyExit(target.model, layers), cache, name=f"early-exit-{layers}", compile=compile,
+                        gamma=gamma)
 
 
 def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: int | None = None,
                    quantize_head: bool = False, allow_slow: bool = False, compile: bool = False,
-                   weight_kernel: str = "auto", weight_prefill_dtype: str = "auto") -> ModelDrafter:
+                   weight_kernel: str = "auto", weight_prefill_dtype: str = "auto",
+                   gamma: int | None = None) -> ModelDrafter:
     """The target with weight-only int8/int4 weights (quanto's quantizers, fast kernels:
     models/quantize.py) as its own draft; the target keeps its own precision, so greedy
-    speculative output stays the target's."""
+    speculative output stays the target's. `gamma`: the decoder's lookahead where it sets
+    none; None: `BEST_GAMMA` of these weights."""
     from decodelab.models.quantize import quantize_weights
 
     draft = quantize_weights(target.model, weights, group_size=group_size, quantize_head=quantize_head,
                              allow_slow=allow_slow, kernel=weight_kernel, prefill_dtype=weight_prefill_dtype)
-    return ModelDrafter(draft, cache, name=f"self-{weights}", compile=compile)
+    return ModelDrafter(draft, cache, name=f"self-{weights}", compile=compile,
+                        gamma=BEST_GAMMA.get(weights, 4) if gamma is None else gamma)
 
+
+#: the quantized self-drafts' best measured lookahead (SmolLM2-135M, 2 threads, Zen 5): int8
+#: at gamma 8, both eager (main job's spec_gamma: 2.11x greedy, against 1.79 at 4) and with
+#: compile=true on every backend (experiments/results/spec-compiled-gamma: 1.81-1.93x compiled
+#: greedy on dense, paged and sliding, 1.66 on int4, against 1.61-1.74 at 4); int4 weights have
+#: no clear best (1.45-1.49x at gamma 1, 2 and 4): 4
+BEST_GAMMA = {"int8": 8, "int4": 4}
 
 quantized_self.quantizes_target = True  # declared: setup refuses it for a target quantized already
 
 
-def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=None) -> PromptLookupDrafter:
-    return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+def prompt_lookup(target=None, max_ngram: int = 3, min_ngram: int = 1, cache=None,
+                  gamma: int = 4) -> PromptLookupDrafter:
+    return PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, gamma=gamma)
 
 
-def draft_model(target, model, cache=DenseCache, compile: bool = False) -> ModelDrafter:
+def draft_model(target, model, cache=DenseCache, compile: bool = False, gamma: int = 4) -> ModelDrafter:
     """Another checkpoint as the draft (a LoadedModel, or a conf/model spec to load; Hydra
     hands over the loaded model); its tokenizer must be the target's."""
     from decodelab.models.loading import LoadedModel, instantiate_unwrapped
@@ -284,4 +298,4 @@ def draft_model(target, model, cache=DenseCache, compile: bool = False) -> Model
     lm = model if isinstance(model, LoadedModel) else instantiate_unwrapped(model)
     tok = lambda m: m.tokenizer if (m.tokenizer_dir or m.tokenizer_from) else None  # noqa: E731
     return ModelDrafter(lm.model, cache, tokenizer=tok(lm), target_tokenizer=tok(target), name=lm.name,
-                        compile=compile)
+                        compile=compile, gamma=gamma)

@@ -182,11 +182,13 @@ class SpeculativeDecoder:
     #: on a CPU (SmolLM2, 5 tokens: 22 ms eager against 50 ms compiled; experiments/README.md)
     compiles_drafter = True
 
-    def __init__(self, drafter, gamma: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, seed: int = 0, adaptive: bool = False, gamma_min: int = 1,
+    def __init__(self, drafter, gamma: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int = 0, adaptive: bool = False, gamma_min: int = 1,
                  gamma_max: int | None = None):
         self.drafter, self.seed, self.adaptive = drafter, seed, adaptive
         self.params = SamplingParams(temperature, top_k, top_p, min_p)
+        if gamma is None:  # the drafter's own best measured lookahead (decoding/drafters.py), else 4
+            gamma = getattr(drafter, "gamma", None) or 4
         self.gamma0, self.gamma_min = gamma, gamma_min
         self.gamma_max = gamma_max if gamma_max is not None else (2 * gamma if adaptive else gamma)
         raise_if(self._own_problems())

@@ -114,7 +114,8 @@ def measure_batch(lm, factory, decoder, reqs, cfg, hf=None) -> list[dict]:
                    compile=cfg.compile)
     recs = [prompt_record(res, b, r.id, ids[b], factory, decoder, lm, cfg) for b, r in enumerate(reqs)]
     if cfg.compare_greedy and decoder.needs_drafter:
-        plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=eos)
+        # greedy in the same mode: compile=true compares with the compiled greedy step
+        plain = generate(lm.model, cache, greedy(), ids, cfg.max_new_tokens, eos_ids=eos, compile=cfg.compile)
         for b, rec in enumerate(recs):
             rec["greedy"] = {"decode_s": harness.decode_s(plain.token_times[b]), "new_tokens": len(plain.tokens[b]),
                              "identical": first_diff(plain.tokens[b], res.tokens[b]) is None}

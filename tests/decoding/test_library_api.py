@@ -57,6 +57,9 @@ def test_each_decoder_yaml_holds_its_targets_defaults(path):
     params = inspect.signature(fn).parameters
     for key, value in options(path).items():
         assert key in params, f"{path.name}: {key} is not an option of {target(path)}"
+        if value == "${oc.select:draft.gamma,4}":  # the draft's own gamma, as the decoder's None takes it
+            assert key == "gamma" and params[key].default is None
+            continue
         assert params[key].default == value, (
             f"{path.name}: {key}: {value!r}, but {target(path)} defaults to {params[key].default!r}")
     # and built: the yaml's decoder is its target's, called with nothing (a drafter where it needs one)
@@ -64,6 +67,26 @@ def test_each_decoder_yaml_holds_its_targets_defaults(path):
     from_yaml, from_python = instantiate_unwrapped(OmegaConf.load(path), **kw), fn(**kw)
     assert type(from_yaml) is type(from_python) and state(from_yaml) == state(from_python)
     assert repr(from_yaml) == repr(from_python)
+
+
+def test_the_decoder_takes_the_drafts_gamma_unless_given(tiny_llama):
+    """gamma: the drafter's own best measured lookahead (the int8 self-draft's 8, prompt
+    lookup's 4) where the decoder sets none, in Python and through the configs alike; a
+    decoder.gamma given wins."""
+    from hydra import compose, initialize_config_dir
+
+    from decodelab.decoding import SpeculativeDecoder
+    from decodelab.decoding.drafters import prompt_lookup, quantized_self
+    from decodelab.models.loading import CONF_DIR
+
+    assert SpeculativeDecoder(prompt_lookup()).gamma0 == 4
+    assert SpeculativeDecoder(quantized_self(tiny_llama, "int8")).gamma0 == 8
+    assert SpeculativeDecoder(quantized_self(tiny_llama, "int8"), gamma=3).gamma0 == 3
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        for overrides, gamma in ((["draft=int8-self"], 8), (["draft=prompt-lookup"], 4),
+                                 (["draft=int8-self", "decoder.gamma=6"], 6)):
+            cfg = compose(config_name="generate", overrides=["decoder=speculative", *overrides])
+            assert cfg.decoder.gamma == gamma, overrides
 
 
 def test_greedy_is_sampling_at_temperature_0_and_sampling_samples():
