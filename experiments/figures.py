@@ -380,12 +380,24 @@ def perplexity_figure(runs: list[dict]) -> FigureSpec | None:
             rows.setdefault((row.label, row.value), row)  # a setup every run of a sweep repeats: once
     if not rows:
         return None
-    ref = [r["metrics"]["perplexity"] for r in mine if r["metrics"].get("system") == PPL_REFERENCE]
-    x = statistics.median(ref) if ref else None
-    line = ((x, f"transformers fp32, the reference ({x:.4g})"),) if ref else ()
-    panel = RowPanel(tuple(rows.values()), "perplexity (lower is better)", "Held-out perplexity per setup",
-                     vlines=line, value_label="perplexity")
-    return FigureSpec((panel,), f"{_perplexity_n(mine, bool(ref))}\n{conditions_line(mine)}")
+    by_sample: dict[str, list[dict]] = {}  # one panel per text sample (each has its own reference)
+    for r in mine:
+        by_sample.setdefault(str(r["metrics"].get("sample") or "sharegpt-replies"), []).append(r)
+    panels = []
+    for sample, runs_of in by_sample.items():
+        labelled = {(_ppl_label(r, vary), float(r["metrics"]["perplexity"])) for r in runs_of}
+        these = tuple(row for key, row in rows.items() if key in labelled)
+        ref = [r["metrics"]["perplexity"] for r in runs_of if r["metrics"].get("system") == PPL_REFERENCE]
+        x = statistics.median(ref) if ref else None
+        line = ((x, f"transformers fp32, the reference ({x:.4g})"),) if ref else ()
+        title = f"Perplexity: {SAMPLE_NAMES.get(sample, sample)}"
+        panels.append(RowPanel(these, "perplexity (lower is better)", title, vlines=line, value_label="perplexity"))
+    has_ref = any(r["metrics"].get("system") == PPL_REFERENCE for r in mine)
+    return FigureSpec(tuple(panels), f"{_perplexity_n(mine, has_ref)}\n{conditions_line(mine)}")
+
+
+#: how a perplexity sample is named in figures (experiments/perplexity.py's SAMPLES)
+SAMPLE_NAMES = {"sharegpt-replies": "ShareGPT replies", "shakespeare": "Shakespeare's plays"}
 
 
 def _ppl_label(run: dict, vary: list[str]) -> str:
@@ -405,8 +417,10 @@ def _perplexity_n(mine: list[dict], has_ref: bool) -> str:
     config = lambda key: _distinct(mine, lambda r: (r.get("config") or {}).get(key))  # noqa: E731
     ref = ("Dotted line: transformers' fp32 model on the same tokens, the reference; beside each dot: its "
            "relative difference to it. " if has_ref else "No transformers reference in these runs. ")
-    return (f"Perplexity, exp(mean NLL), over n={metric('tokens')} scored tokens of held-out ShareGPT replies (the "
-            f"same for every setup), windows of {metric('context')} tokens every {metric('stride')}, fed "
+    samples = ", ".join(SAMPLE_NAMES.get(str(x), str(x)) for x in
+                        dict.fromkeys(r["metrics"].get("sample") or "sharegpt-replies" for r in mine))
+    return (f"Perplexity, exp(mean NLL), over n={metric('tokens')} scored tokens of each held-out sample ({samples}; "
+            f"the same tokens for every setup), windows of {metric('context')} tokens every {metric('stride')}, fed "
             f"{metric('chunk')} tokens per forward through each cache; int4 KV at {config('nbits')} bits, group "
             f"{config('group_size')}, residual {config('residual')}. {ref}Computed, not timed: one value per setup.")
 

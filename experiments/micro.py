@@ -26,7 +26,7 @@ import time
 from functools import partial
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
@@ -279,24 +279,29 @@ def _spec_row(draft: str, gamma: int, steps: int, plain: list[float], spec: list
 
 
 def perplexity(cfg, lm, hf) -> list[dict]:
-    """Perplexity of the held-out ShareGPT sample (experiments/perplexity.py) for our fp32
-    model and each of `ppl_weights` x each of `ppl_caches` (int4 at nbits / group_size /
-    residual), beside transformers' fp32 model (`transformers-fp32`, the reference: each
-    row's `vs_transformers_fp32` is its relative difference) and, with `ppl_anchors`,
-    transformers + quanto weights and transformers' QuantizedCache at the same int4 settings."""
+    """Perplexity of each held-out sample of `ppl_samples` (experiments/perplexity.py: ShareGPT
+    replies, Shakespeare's plays) for our fp32 model and each of `ppl_weights` x each of
+    `ppl_caches` (int4 at nbits / group_size / residual), beside transformers' fp32 model
+    (`transformers-fp32`, the reference: each row's `vs_transformers_fp32` is its relative
+    difference on the same sample) and, with `ppl_anchors`, transformers + quanto weights and
+    transformers' QuantizedCache at the same int4 settings. Every system is built once and
+    scores every sample."""
     from decodelab.experiments import perplexity as ppl
 
-    ids = ppl.sample_ids(lm, cfg.ppl_tokens)
-    rows = []
-    for (name, w, c), fn in _ppl_systems(cfg, lm, hf).items():
-        t = time.perf_counter()
-        r = ppl.perplexity(fn, ids, cfg.context, cfg.stride)
-        rows.append({"system": name, "weights": w, "cache": c, **r, "seconds": time.perf_counter() - t})
-        print(f"{name}: perplexity {r['perplexity']:.4f} over {r['tokens']} tokens", file=sys.stderr)
-    ref = next((r["perplexity"] for r in rows if r["system"] == "transformers-fp32"), None)
-    for r in rows:
-        r["vs_transformers_fp32"] = None if ref is None else r["perplexity"] / ref - 1
-        r |= {"context": cfg.context, "stride": cfg.stride, "chunk": cfg.ppl_chunk, "sample": "sharegpt-replies"}
+    samples = {s: ppl.sample_ids(lm, cfg.ppl_tokens, s) for s in cfg.ppl_samples}  # all read before any scoring
+    systems, rows = _ppl_systems(cfg, lm, hf), []
+    for sample, ids in samples.items():
+        mine = []
+        for (name, w, c), fn in systems.items():
+            t = time.perf_counter()
+            r = ppl.perplexity(fn, ids, cfg.context, cfg.stride)
+            mine.append({"system": name, "weights": w, "cache": c, **r, "seconds": time.perf_counter() - t})
+            print(f"{sample} {name}: perplexity {r['perplexity']:.4f} over {r['tokens']} tokens", file=sys.stderr)
+        ref = next((r["perplexity"] for r in mine if r["system"] == "transformers-fp32"), None)
+        for r in mine:
+            r["vs_transformers_fp32"] = None if ref is None else r["perplexity"] / ref - 1
+            r |= {"context": cfg.context, "stride": cfg.stride, "chunk": cfg.ppl_chunk, "sample": sample}
+        rows += mine
     return rows
 
 
@@ -381,7 +386,15 @@ def _perplexity_problems(cfg) -> list[str]:
     with the part's int4 settings (on a stand-in layout), ppl_weights known, ppl_anchors a bool."""
     from decodelab.models.quantize import WEIGHT_TYPES
 
+    from decodelab.experiments.perplexity import sample_problems
+
     p = harness.int_problems(cfg, {"ppl_tokens": 2, "context": 2, "stride": 1, "ppl_chunk": 1})
+    samples = list(cfg.ppl_samples) if isinstance(cfg.ppl_samples, (list, ListConfig)) else None
+    if not samples:
+        p.append(f"ppl_samples must list at least one text sample (sharegpt-replies, shakespeare), "
+                 f"got {cfg.ppl_samples!r}")
+    for sample in samples or []:
+        p += sample_problems(sample)
     if isinstance(cfg.stride, int) and isinstance(cfg.context, int) and cfg.stride >= cfg.context:
         p.append(f"stride must be < context (a window's first new target needs the token before it in the "
                  f"window), got stride={cfg.stride} context={cfg.context}")

