@@ -3,6 +3,7 @@ eager and `compile=True`, side by side in one process.
 
     python -c "from decodelab.experiments.fastpath import main; main()" [--tokens 64] [--rounds 2]
     (main(["--prompt-tokens", "2048", "--backends", "dense", "sliding", "--decoders", "greedy"]): long context)
+    (main(["--cli"]): every cell through the `decodelab-generate` command line, once each way)
 
 For each backend (dense, paged, int4, sliding with a 512-token window and 4 sinks imposed
 on SmolLM2) and decoder (greedy; speculative with the int8 self-draft; speculative with
@@ -19,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 BACKENDS = {"dense": {}, "paged": {}, "int4": {}, "sliding": {"window": 512, "sinks": 4}}
 DECODERS = ("greedy", "speculative int8-self", "speculative prompt-lookup")
@@ -74,6 +76,38 @@ def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -
             "eager_rounds": runs[False], "compiled_rounds": runs[True]}
 
 
+#: each decoder as decodelab-generate's overrides (the configs' defaults: gamma is the draft's own)
+CLI_DECODERS = {"greedy": [], "speculative int8-self": ["decoder=speculative", "draft=int8-self"],
+                "speculative prompt-lookup": ["decoder=speculative", "draft=prompt-lookup"]}
+
+
+def cli_cell(prompt_file: str, backend: str, dec: str, tokens: int, threads: int) -> dict:
+    """One backend x decoder through the command line a user types: `decodelab-generate ...
+    compile=false`, then `compile=true`, each in its own process (`json=true` records)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("decodelab-generate") or str(Path(sys.executable).parent / "decodelab-generate")
+    cache = [f"cache={backend}"] + [f"cache.{k}={v}" for k, v in BACKENDS[backend].items()]
+    recs, refused = {}, None
+    for compiled in (False, True):
+        args = [exe, f"prompt_file={prompt_file}", *cache, *CLI_DECODERS[dec], f"compile={str(compiled).lower()}",
+                f"max_new_tokens={tokens}", "ignore_eos=true", "json=true", "stream=false", f"threads={threads}"]
+        out = subprocess.run(args, capture_output=True, text=True)
+        if out.returncode:
+            refused = (out.stderr.strip().splitlines() or ["failed"])[-1]
+            break
+        recs[compiled] = json.loads(out.stdout.strip().splitlines()[-1])
+    eager, comp = (recs.get(c, {}).get("decode_tok_s") for c in (False, True))
+    return {"backend": backend, "decoder": dec, "eager_tok_s": eager, "compiled_tok_s": comp,
+            "compiled_vs_eager": comp / eager if comp and eager else None,
+            "compile_s": (recs.get(True, {}).get("compile_ms") or 0) / 1000,
+            "text_equal": recs[True]["text"] == recs[False]["text"] if len(recs) == 2 else None,
+            "refused": refused, "prompt_tokens": recs.get(False, {}).get("prompt_tokens"),
+            "command": " ".join(["decodelab-generate", "prompt_file=PROMPT", *cache, *CLI_DECODERS[dec],
+                                 "compile=true|false", f"max_new_tokens={tokens}", "ignore_eos=true"])}
+
+
 def table(rows: list[dict]) -> str:
     """The matrix as markdown."""
     out = ["| backend | decoder | eager tok/s | compiled tok/s | compiled / eager | compile s | text equal |",
@@ -96,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=None,
                     help="a synthetic prompt of this many tokens instead of the ShareGPT one (long contexts)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cli", action="store_true",
+                    help="run each cell through the decodelab-generate command line (one process per run)")
     a = ap.parse_args(argv)
     import torch
 
@@ -111,12 +147,23 @@ def main(argv: list[str] | None = None) -> None:
     else:
         ids = prompt(lm)
     rows = []
+    if a.cli:  # the same prompt as text, which the CLI tokenizes through the chat template again
+        import tempfile
+
+        from decodelab.experiments.workloads import ShareGPT
+
+        text = ShareGPT(n=1, seed=0, min_prompt_tokens=180, max_prompt_tokens=260)(lm)[0].prompt
+        assert lm.tokenizer.encode(text, chat=True) == ids
+        prompt_file = Path(tempfile.mkdtemp()) / "prompt.txt"
+        prompt_file.write_text(text)
     for b in a.backends:
         for d in a.decoders:
-            rows.append(cell(lm, ids, b, d, a.tokens, a.rounds))
+            rows.append(cli_cell(str(prompt_file), b, d, a.tokens, a.threads) if a.cli else
+                        cell(lm, ids, b, d, a.tokens, a.rounds))
             print(json.dumps({k: rows[-1][k] for k in ("backend", "decoder", "eager_tok_s", "compiled_tok_s")}),
                   file=sys.stderr, flush=True)
-    cond = {**run_conditions(lm.model), "prompt_tokens": len(ids), "new_tokens": a.tokens, "rounds": a.rounds}
+    cond = {**run_conditions(lm.model), "prompt_tokens": len(ids), "new_tokens": a.tokens,
+            "rounds": 1 if a.cli else a.rounds, "through": "decodelab-generate" if a.cli else "generate()"}
     print(table(rows))
     print(f"conditions: {json.dumps(cond)}", file=sys.stderr)
     if a.out:

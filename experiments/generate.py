@@ -131,7 +131,8 @@ def run(cfg: DictConfig):
     cache = make_cache(lm.model, 1, harness.capacity(cfg, lm.model, 1, need, factory), factory)
     log.info("cache: %s, capacity %d", type(cache).__name__, cache.capacity)
     stream = (lambda row, t, delta: print(delta, end="", flush=True)) if cfg.stream and not cfg.json else None
-    result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=tok.eos_ids,
+    eos = () if cfg.ignore_eos else tok.eos_ids  # ignore_eos=true: exactly max_new_tokens
+    result = generate(lm.model, cache, decoder, [ids], cfg.max_new_tokens, eos_ids=eos,
                       stop=stop_strings(cfg.stop), tokenizer=tok, on_token=stream, prefill_chunk=cfg.prefill_chunk,
                       t_start=t0, tokenize_s=tokenize_s, compile=cfg.compile)
     emit(cfg, result, harness.run_conditions(lm), streamed=stream is not None)

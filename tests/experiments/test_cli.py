@@ -156,3 +156,22 @@ def test_cli_json_prints_one_record(expected, tmp_path):
     assert rec["conditions"].keys() == expected["conditions"].keys()
     assert rec["conditions"]["device"] == "cpu" and rec["conditions"]["dtype"] == "float32"
     assert f"--- {NEW} tokens" in p.stderr  # the human summary still goes to stderr
+
+
+def test_ignore_eos_generates_every_token(monkeypatch, capsys):
+    """ignore_eos=true: exactly max_new_tokens, even where the reply's first token is an EOS
+    id (made one here: every token the tokenizer's EOS); without it the reply stops there."""
+    from decodelab.models import tokenizer
+
+    args = ("model=tiny-llama", "model.device=cpu", "prompt=Hello there", "max_new_tokens=6", "stream=false")
+    first = run(config(*args)).tokens[0][0]
+    real_init = tokenizer.Tokenizer.__init__
+
+    def eos_is_first(self, *a, **k):
+        real_init(self, *a, **k)
+        self.eos_ids = (first,)
+
+    monkeypatch.setattr(tokenizer.Tokenizer, "__init__", eos_is_first)
+    stopped = run(config(*args))
+    assert stopped.tokens[0] == [first] and stopped.finish_reasons[0] == "eos"
+    assert len(run(config(*args, "ignore_eos=true")).tokens[0]) == 6
