@@ -20,10 +20,9 @@
 #      after 3 ShareGPT prompts of 380-500 tokens (workload=sharegpt-long: int4 KV reads most
 #      of each context quantized; 192 positions per setup, where 48 read int8 weights' top-1
 #      of about 0.97 as 0.917 on a Zen 5), 8 free           (decodelab-agree)
-# Where the minutes go, measured (experiments/results/main: 2 cores, AMD EPYC Zen 5, 2 torch
-# threads, 327 s wall, before ppl scored its second sample): weights 45 s, gamma 64 s, context 34 s +
-# sliding 14 s, ppl 50 s (about twice that with both samples),
-# agree 117 s (a slower CPU takes longer: budget the 10 minutes accordingly).
+# Where the minutes go, measured (experiments/results/main: a fresh clone's `make run`, 2 cores,
+# AMD EPYC Zen 5, 2 torch threads, 440 s): weights 102 s (with the native kernels' first build),
+# gamma 70 s, context 35 s + sliding 14 s, ppl 93 s, agree 123 s (a slower CPU takes longer).
 #   bash scripts/main_job.sh [OVERRIDE ...]     # into $DECODELAB_MAIN (default: outputs/main)
 # Each OVERRIDE goes to every step, so only keys all of them take: threads= (default: the
 # machine's cores), model=, model.dtype=. Each step's own options can be extended through
