@@ -7,7 +7,7 @@ ARGS    ?=
 
 .PHONY: setup run compare generate test test-slow test-all baseline clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile  # a changed set-up recipe (a new package) reinstalls
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU build of torch first (a range admitting newer releases would pull CUDA)

@@ -39,8 +39,9 @@ Per forward the model calls:
 Between forwards, `read`, `truncate`, `reset` and `nbytes` serve decoders and experiments.
 Whatever else a higher layer needs from a backend is a capability declared here, with a
 default that works for every backend or refuses with the reason (`refusal`: a SetupError
-naming the backend): `static_plan(tokens)` (the fixed-shape plan of a compiled decode
-step, cache/static.py, which `attend` takes like any plan), `static_view()` (fixed-shape
+naming the backend): `static_plan(tokens)` (the plan of a compiled decode step,
+cache/static.py: fixed-shape buffers, or int4's host-side `HostPlan`; `attend` takes it
+like any plan), `static_view()` (fixed-shape
 storage as block pools and a table, for the paged kernels),
 `fill_random(n_tokens, seed)` (random K/V for kernel checks and benchmarks),
 `read_bytes(context)` (bytes one decode step reads), `release(row)` (forget one row
@@ -347,10 +348,10 @@ class KVCache:
         return SetupError(f"the {type(self).__name__} backend cannot {what}: {why}")
 
     def static_plan(self, tokens: int = 1, impl: str = "auto"):
-        """The fixed-shape plan of a compiled decode step of `tokens` tokens per row, every
-        row (cache/static.py): `attend` takes it like a `Plan` and attends over the whole
-        storage, masked by position. Default: over `static_view()`'s storage (refused where
-        the backend has none)."""
+        """The plan of a compiled decode step of `tokens` tokens per row, every row
+        (cache/static.py): `attend` takes it like a `Plan`. Default: a fixed-shape
+        `StaticPlan` over `static_view()`'s storage, attended whole, masked by position
+        (refused where the backend has none); int4 overrides it with a `HostPlan`."""
         from decodelab.cache.static import StaticPlan
 
         return StaticPlan(self.layout, self.batch_size, self.capacity, tokens, impl, storage=self.static_view())

@@ -575,9 +575,10 @@ class QuantizedCache(KVCache):
         opaque host call in the graph on the eager plan booked before the step
         (cache/static.py's `HostPlan`). On CUDA refused: a captured graph replays no host work."""
         if self.layout.device.type != "cpu":
-            raise self.refusal("run a compiled (CUDA-graph) decode step",
+            raise self.refusal(f"run a static decode step on {self.layout.device.type} (eager or compiled)",
                                "its attention plans and quantizes on the host every forward, which a captured "
-                               "graph would not replay; run it eager (compile=false: its Triton kernel decodes)")
+                               "CUDA graph would not replay; decode with compile=false (its Triton kernel "
+                               "decodes there)")
         return HostPlan(self, tokens)
 
     def static_view(self):

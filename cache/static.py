@@ -3,7 +3,8 @@ attention the backends run on it.
 
 A compiled step replays the same device work every step, so its plan cannot be the
 host-built `Plan` of an eager forward (Python ints, key spans that grow with the
-context). `KVCache.static_plan(tokens)` gives a `StaticPlan` instead: device buffers of
+context). `KVCache.static_plan(tokens)` gives a `StaticPlan` instead (or, for a backend
+whose attention must do host work every forward, int4, a `HostPlan`: see its class): device buffers of
 fixed shape, refilled in place before every step (`load`: this step's positions, and the
 host bookkeeping `cache.book` just did, such as a paged block table or a ring's slot
 positions), from which the graph derives what it needs (`begin`: lengths, block slots).
@@ -26,6 +27,7 @@ import torch
 from decodelab.cache.base import StaticView, reference_attention
 from decodelab.cache.kernels.dispatch import resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
+from decodelab.models.errors import SetupError
 
 #: a dense buffer's compiled CPU step attends through decodelab's native kernel where it
 #: serves (models/native.py: AVX2, fp32, head size a multiple of 8, no logit softcap):
@@ -209,6 +211,8 @@ class HostPlan:
 
     def book(self, cache, positions: torch.Tensor) -> None:
         """Host side of a step: plan it on the cache (its eager plan, kept for the calls)."""
+        if cache is not self.cache:
+            raise SetupError("a HostPlan books steps on the cache it was made for (cache.static_plan of this cache)")
         self.current = cache.plan(positions)
         self.pos.copy_(positions)
 
@@ -232,7 +236,11 @@ def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     if plan is None or plan.current is None:
         raise RuntimeError("a compiled step's host attention ran without its booked plan (HostPlan.book before "
                            "every step; the step's HostPlan must be alive)")
-    return plan.cache.attend(layer, q, k, v, plan.current)
+    out = plan.cache.attend(layer, q, k, v, plan.current)
+    # exactly the fake's layout (q's strides): the compiled graph reads the result by the
+    # strides the fake promised, unchecked (decoding/compiled.py's INDUCTOR_PATCHES), and an
+    # attention may return another layout (the softcap path, a chunked long step's cat)
+    return out if out.stride() == q.stride() else torch.empty_like(q).copy_(out)
 
 
 def register_host_attend() -> None:
@@ -241,6 +249,6 @@ def register_host_attend() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    _REGISTERED = True
     op = torch.library.custom_op("decodelab::host_attend", _host_attend_impl, mutates_args=())
     op.register_fake(lambda q, k, v, layer, handle: torch.empty_like(q))
+    _REGISTERED = True

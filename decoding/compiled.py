@@ -13,8 +13,9 @@ differs. Before each step the host books it (`cache.plan`: lengths, a paged row'
 block, a ring's slot positions) and loads the positions into the cache's `static_plan`
 (cache/static.py), a plan of fixed-shape device buffers; inside the graph every layer's
 `cache.attend(layer, q, k, v, plan)` takes that plan and attends over the backend's whole
-storage, masked by position. Shapes never change, so one compile serves every step of
-that model, batch and capacity (`static_capacity` rounds capacities up so that nearby
+storage, masked by position (int4's `HostPlan` instead keeps the eager plan the host booked
+and runs the eager int4 attention as one opaque call per layer). Shapes never change, so
+one compile serves every step of that model, batch and capacity (`static_capacity` rounds capacities up so that nearby
 lengths share it).
 
 Which caches can: those whose `static_plan` succeeds (dense, paged and sliding; int4 on
@@ -106,8 +107,8 @@ class StaticDecoder:
         """Feed last [B] (ids [B, T] with `tokens` T) at each row's next positions (from the
         cache's lengths); logits [B, V] ([B, T, V])."""
         pos = self.cache.lengths[:, None] + torch.arange(self.tokens)  # [B, T] host
+        self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)  # first: a wrong shape books nothing
         self.plan.book(self.cache, pos)  # host bookkeeping (lengths, blocks, ring slots, int4's plan), then loads
-        self.ids.copy_(last.view(-1, self.tokens), non_blocking=True)
         if self.mode == "compile" and self.cache.layout.device.type != "cuda":
             return self._compiled_call()
         if self.cache.layout.device.type != "cuda" or self.mode == "eager":

@@ -7,7 +7,8 @@ eager and `compile=True`, side by side in one process.
 
 For each backend (dense, paged, int4, sliding with a 512-token window and 4 sinks imposed
 on SmolLM2) and decoder (greedy; speculative with the int8 self-draft; speculative with
-prompt lookup, gamma 4 both), one ShareGPT prompt of 180-260 tokens (chat template) is
+prompt lookup, gamma 4 both; with --cli the configs' defaults: the int8 self-draft at its own
+gamma 8), one ShareGPT prompt of 180-260 tokens (chat template) is
 decoded `--tokens` greedy tokens eagerly and with `compile=True`, alternated, `--rounds`
 times each (the first compiled call compiles: `compile_s` apart; decode tok/s is the
 median over rounds). A cell that compile=True refuses says why. The greedy text of the
@@ -113,9 +114,10 @@ def table(rows: list[dict]) -> str:
     out = ["| backend | decoder | eager tok/s | compiled tok/s | compiled / eager | compile s | text equal |",
            "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        comp = f"{r['compiled_tok_s']:.1f}" if r["compiled_tok_s"] else f"refused: {r['refused'][:90]}"
+        comp = f"{r['compiled_tok_s']:.1f}" if r["compiled_tok_s"] else f"refused: {(r['refused'] or '')[:90]}"
         ratio = f"{r['compiled_vs_eager']:.2f}" if r["compiled_vs_eager"] else "-"
-        out.append(f"| {r['backend']} | {r['decoder']} | {r['eager_tok_s']:.1f} | {comp} | {ratio} | "
+        eager = f"{r['eager_tok_s']:.1f}" if r["eager_tok_s"] else f"failed: {(r['refused'] or '')[:90]}"
+        out.append(f"| {r['backend']} | {r['decoder']} | {eager} | {comp} | {ratio} | "
                    f"{r['compile_s']:.1f} | {r['text_equal']} |")
     return "\n".join(out)
 
@@ -133,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cli", action="store_true",
                     help="run each cell through the decodelab-generate command line (one process per run)")
     a = ap.parse_args(argv)
+    if a.cli and a.prompt_tokens:
+        ap.error("--cli runs the ShareGPT prompt as text; --prompt-tokens (a synthetic prompt of ids) takes the "
+                 "generate() cells only")
     import torch
 
     from decodelab.experiments.harness import run_conditions
@@ -164,12 +169,12 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
     cond = {**run_conditions(lm.model), "prompt_tokens": len(ids), "new_tokens": a.tokens,
             "rounds": 1 if a.cli else a.rounds, "through": "decodelab-generate" if a.cli else "generate()"}
-    print(table(rows))
-    print(f"conditions: {json.dumps(cond)}", file=sys.stderr)
-    if a.out:
+    if a.out:  # the records first: nothing measured is lost to the printing
         with open(a.out, "w") as f:
             for r in rows:
                 f.write(json.dumps({**r, "conditions": cond}) + "\n")
+    print(table(rows))
+    print(f"conditions: {json.dumps(cond)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

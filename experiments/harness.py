@@ -157,10 +157,23 @@ def gather(*checks) -> list:
     return results
 
 
-def _probe_layout() -> CacheLayout:
+def _probe_layout(device: str = "cpu") -> CacheLayout:
     """A small stand-in layout for checking cache options before the model is known
-    (head_dim 64 like most checkpoints; the real layout is checked again at build time)."""
-    return CacheLayout(2, 1, 64, torch.float32, torch.device("cpu"), (None, None), 0.125)
+    (head_dim 64 like most checkpoints; the real layout is checked again at build time),
+    on the run's device type where a backend's capabilities depend on it (int4's compiled
+    step: CPU only)."""
+    return CacheLayout(2, 1, 64, torch.float32, torch.device(device), (None, None), 0.125)
+
+
+def _probe_device(cfg: DictConfig) -> str:
+    """The device the run's model will use, for `_probe_layout` (cpu where it does not
+    resolve: the model's own checks name that problem)."""
+    from decodelab.models.loading import resolve_device
+
+    try:
+        return str(resolve_device((cfg.get("model") or {}).get("device", "auto")))
+    except Exception:  # noqa: BLE001 - reported by model_problems
+        return "cpu"
 
 
 def declared(spec, trait: str, default=False):
@@ -247,11 +260,15 @@ def check(cfg: DictConfig) -> None:
     if needs_drafter:
         reasons += draft_problems(cfg)
     factory = collect(reasons, lambda: instantiate_unwrapped(cfg.cache))
-    probe = collect(reasons, lambda: factory(_probe_layout(), 1, 128)) if factory else None
+    device = _probe_device(cfg)
+    probe = collect(reasons, lambda: factory(_probe_layout(device), 1, 128)) if factory else None
     if cfg.get("compile") is not None and not isinstance(cfg.compile, bool):  # (1 == True: not `in`)
         reasons.append(f"compile must be true or false, got {cfg.compile!r}")
     elif cfg.get("compile") and decoder is not None and probe is not None:
         reasons += compile_problems(probe, decoder)
+        if needs_drafter and cfg.get("compare_greedy"):  # bench's greedy beside it runs the compiled step
+            reasons += [f"compare_greedy=true with compile=true (greedy through the compiled step): {r}"
+                        for r in static_problems(probe, "compile")]
     draft = (cfg.get("draft") or {}) if needs_drafter else {}
     draft_probe = probe
     if draft.get("cache") is not None:  # the draft's own backend
@@ -261,7 +278,7 @@ def check(cfg: DictConfig) -> None:
                            f"({', '.join(group_options('cache'))}), got {name!r}")
             draft_probe = None
         else:
-            draft_probe = collect(reasons, lambda: cache_factory(name)(_probe_layout(), 1, 128))
+            draft_probe = collect(reasons, lambda: cache_factory(name)(_probe_layout(device), 1, 128))
     draft_compile = draft.get("compile")
     if draft_compile is not None and not isinstance(draft_compile, bool):
         reasons.append(f"draft.compile must be true or false, got {draft_compile!r}")

@@ -578,3 +578,25 @@ def test_a_zeroed_compile_cache_is_rebuilt_with_the_same_tokens(tmp_path):
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "torch's compile cache entry" in again.stderr and again.stdout == first.stdout
+
+
+def test_host_attention_returns_the_layout_its_fake_promises(tiny_llama):
+    """The compiled graph reads `decodelab::host_attend`'s result by the strides of its fake
+    (q's), unchecked: an attention that returns another layout (a softcap path, a chunked
+    step's cat) is copied into q's layout, values unchanged. A HostPlan books only its own cache."""
+    from decodelab.cache.static import HostPlan
+
+    model = tiny_llama.model
+    cache = cache_for(model, 2, 96, INT4)
+    other = cache_for(model, 2, 96, INT4)
+    plan = cache.static_plan(3)
+    assert isinstance(plan, HostPlan)
+    with pytest.raises(SetupError, match="books steps on the cache it was made for"):
+        plan.book(other, torch.zeros(2, 3, dtype=torch.long))
+    plan.book(cache, torch.arange(3).expand(2, 3))
+    q = torch.randn(2, 3, 4, 16).transpose(1, 2)  # [B, Hq, T, D] as the model makes it: strides of [B, T, Hq, D]
+    k, v = torch.randn(2, 3, 2, 16).transpose(1, 2), torch.randn(2, 3, 2, 16).transpose(1, 2)
+    want = torch.randn(2, 4, 3, 16)  # contiguous [B, Hq, T, D]: not q's layout
+    cache.attend = lambda layer, q_, k_, v_, p: want  # the backend's eager attention, stood in for
+    out = plan.attend(0, q, k, v)
+    assert out.stride() == q.stride() and torch.equal(out, want)
