@@ -203,6 +203,7 @@ class HostPlan:
         self.cache, self.tokens = cache, tokens
         self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         self.current = None  # the eager plan of the step about to run (`book`)
+        self.attended: set[int] = set()
         handle = next(_HANDLES)
         _HOST_PLANS[handle] = self  # weakly: a dropped step frees its cache
         # the handle as data, not a constant: a graph input, so that every step of the same
@@ -214,6 +215,7 @@ class HostPlan:
         if cache is not self.cache:
             raise SetupError("a HostPlan books steps on the cache it was made for (cache.static_plan of this cache)")
         self.current = cache.plan(positions)
+        self.attended = set()  # the layers that attended on it: each once (a second pass would store twice)
         self.pos.copy_(positions)
 
     def begin(self) -> None:
@@ -236,6 +238,10 @@ def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     if plan is None or plan.current is None:
         raise RuntimeError("a compiled step's host attention ran without its booked plan (HostPlan.book before "
                            "every step; the step's HostPlan must be alive)")
+    if layer in plan.attended:
+        raise RuntimeError(f"layer {layer} attended twice on one booked step: its K/V would be stored twice; "
+                           "book every step (HostPlan.book) before running it")
+    plan.attended.add(layer)
     out = plan.cache.attend(layer, q, k, v, plan.current)
     # exactly the fake's layout (q's strides): the compiled graph reads the result by the
     # strides the fake promised, unchecked (decoding/compiled.py's INDUCTOR_PATCHES), and an

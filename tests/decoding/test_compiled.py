@@ -600,3 +600,8 @@ def test_host_attention_returns_the_layout_its_fake_promises(tiny_llama):
     cache.attend = lambda layer, q_, k_, v_, p: want  # the backend's eager attention, stood in for
     out = plan.attend(0, q, k, v)
     assert out.stride() == q.stride() and torch.equal(out, want)
+    assert plan.attend(1, q, k, v).shape == q.shape  # each layer once per booked step ...
+    with pytest.raises(RuntimeError, match="layer 0 attended twice on one booked step"):
+        plan.attend(0, q, k, v)  # ... a second pass without a new booking would store its K/V twice
+    plan.book(cache, torch.arange(3, 6).expand(2, 3))
+    assert plan.attend(0, q, k, v).shape == q.shape
