@@ -280,17 +280,21 @@ def test_a_shared_prefix_is_charged_once(tiny_models):
     assert d.held_bytes([0, 1]) == 2 * d.row_bytes(10) == 20 * d.layout.bytes_per_token()
 
 
-@pytest.mark.parametrize("draft", ["prompt-lookup", "early-exit"])
-@pytest.mark.parametrize("backend", ["dense", "paged", "sliding-imposed"])
+@pytest.mark.parametrize("draft", ["prompt-lookup", "early-exit", "int8-self"])
+@pytest.mark.parametrize("backend", ["dense", "paged", "int4", "sliding", "sliding-imposed"])
 def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alone, draft, backend):
     """Greedy speculative decoding inside the engine (arrivals, chunked prefill, a budget
-    that preempts): every request's output is the target's greedy output alone."""
-    from decodelab.decoding.drafters import early_exit, prompt_lookup
+    that preempts), with every kind of drafter (the int8 self-draft included) on every
+    backend that holds sequences: every request's output is the target's greedy output
+    alone (int4: its own, decoded alone)."""
+    from decodelab.decoding.drafters import early_exit, prompt_lookup, quantized_self
 
     lm = tiny_models["llama"]
     prompts, expected = alone["llama", backend]
-    factory = SERVING[backend]
-    drafter = prompt_lookup() if draft == "prompt-lookup" else early_exit(lm, 1, cache=factory)
+    # int4 keeps exact copies for a rollback of gamma (the visibility rule, so the reference, is unchanged)
+    factory = functools.partial(INT4, rollback=3) if backend == "int4" else SERVING[backend]
+    drafter = {"prompt-lookup": lambda: prompt_lookup(), "early-exit": lambda: early_exit(lm, 1, cache=factory),
+               "int8-self": lambda: quantized_self(lm, "int8", cache=factory)}[draft]()
     decoder = SpeculativeDecoder(drafter, gamma=3)
     cache = cache_for(lm.model, 3, 80, factory)
     # room for about 1.3 rows of 60 tokens, target and draft caches together (an imposed window's
