@@ -20,9 +20,9 @@ over the weights), and each segment attends on its own (the cache plans each, an
 layer attends every segment through its own plan), so a decode row never computes a chunk's queries. A
 step without decode rows (`prefill-first`) runs its chunks the same way, all of them in
 one forward (one read of the weights: on a 2-core CPU the ShareGPT prefill of 32 requests
-took 8.5-8.8 s against 9.9-10.7 s with a forward per chunk); a speculative decoder runs
-its own forwards, the chunks after them, one forward per group as THE prefill
-(`prefill(..., rows=)`).
+took 8.5-8.8 s against 9.9-10.7 s with a forward per chunk). A speculative decoder's
+verify is a segment of that same forward: the decoding rows' gamma + 1 tokens beside the
+chunks (`SpeculativeDecoder.step(forward=...)`); its drafts run before it, in the drafter.
 
 The KV budget (`kv_budget_mb`, default: what the cache can hold, `budget_bytes`) is
 charged what the running requests hold (`held_bytes`: a paged prefix block shared by
@@ -45,7 +45,8 @@ A request that can never run (longer than a row or than the whole budget, bad to
 is rejected on arrival with its reason; the others are served.
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
-the decoding rows (the others frozen), each request keeping its own accepted drafts; a
+the decoding rows (the others frozen; the verify shares the step's forward with the
+prefill chunks of other rows), each request keeping its own accepted drafts; a
 drafter starts an admitted request's row over (`admit`: a draft model prefills its own
 cache row). A draft model's cache is charged to the KV budget beside the target's (the
 decoder's `held_bytes` / `row_bytes`; the default budget is what both caches can hold).
@@ -249,13 +250,12 @@ class Engine:
             preempted += self._fit_budget()
             decode, chunks = self._plan()
             try:
-                if chunks and not self.decoder.lookahead:
+                if chunks and self.decoder.lookahead and decode:
+                    self._speculate(decode, clock, chunks)  # the verify and the chunks: one forward
+                elif chunks:
                     self._mixed(decode, chunks, clock)  # one read of the weights for every row and chunk
-                else:
-                    if decode:
-                        self._decode(decode, clock)
-                    if chunks:
-                        self._prefill(chunks, clock)
+                elif decode:
+                    self._decode(decode, clock)
             except PoolExhausted:  # the cache refused the forward, unchanged: make room, plan again
                 if len(self.running) < 2 or self.decoder.lookahead:  # a drafter has moved on: not recoverable
                     raise
@@ -441,16 +441,35 @@ class Engine:
         for g, lg in zip(groups, logits[len(segments) - len(groups):]):
             self._prefilled(g, lg[:, 0], clock)
 
-    def _speculate(self, decode: list[_Running], clock) -> None:
+    def _speculate(self, decode: list[_Running], clock, chunks: list[tuple[_Running, int]] = ()) -> None:
         """One draft-and-verify round of the decoder over every cache row; the rows that are
-        not decoding are frozen (their caches do not grow)."""
+        not decoding are frozen (their caches do not grow). The verify is one forward with
+        this step's prefill chunks (`forward_segments`: the decoding rows' gamma + 1 tokens as
+        one segment, the chunks as THE prefill places them), as a plain decode step is."""
         B = self.cache.batch_size
         last = torch.zeros(B, dtype=torch.long)
         done = [True] * B
         for r in decode:
             last[r.row], done[r.row] = r.res.tokens[-1], False
         left = max(r.req.max_new_tokens - len(r.res.tokens) for r in decode)
-        produced = self.decoder.step(self.model, self.cache, last.to(self.model.device), done=done, left=left)
+        groups = self._chunk_groups(list(chunks))
+        prefilled = []
+
+        def forward(ids, positions, valid):  # [B, G + 1] each: the decoding rows verify, the chunks prefill
+            rows = sorted(r.row for r in decode)
+            verify = Segment(ids[rows], positions[rows], valid[rows], rows)
+            segments = [verify] + [prompt_segment(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in g],
+                                                  [r.row for r, _ in g]) for g in groups]
+            logits = self.model.forward_segments(segments, self.cache)
+            prefilled.extend(lg[:, 0] for lg in logits[1:])
+            full = logits[0].new_zeros(B, *logits[0].shape[1:])  # [B, G + 1, V]: the frozen rows' are never read
+            full[rows] = logits[0]
+            return full
+
+        produced = self.decoder.step(self.model, self.cache, last.to(self.model.device), done=done, left=left,
+                                     forward=forward if groups else None)
+        for g, lg in zip(groups, prefilled):
+            self._prefilled(g, lg, clock)
         kept = [0] * B
         for r, n in zip(decode, self._emit(decode, [produced[r.row] for r in decode], clock)):
             kept[r.row] = n

@@ -16,7 +16,7 @@ import torch
 from decodelab.decoding.generate import sync
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
 from decodelab.decoding.decoders import not_begun
-from decodelab.models.errors import raise_if
+from decodelab.models.errors import SetupError, raise_if
 
 
 def rejection_sample(
@@ -279,10 +279,14 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
-             left: int | None = None) -> list[list[int]]:
+             left: int | None = None, forward=None) -> list[list[int]]:
         """One draft-and-verify round; rows in `done` are frozen (their caches do not grow).
         With `left` tokens at most still to emit, no more than `left - 1` are drafted (a round
-        emits the accepted drafts and one more): drafting past the output is wasted work."""
+        emits the accepted drafts and one more): drafting past the output is wasted work.
+        `forward(ids, positions, valid) -> logits [B, G + 1, V]` runs the verify where the
+        caller shares its forward with other work (the serving engine's prefill chunks of
+        other rows, one read of the weights); None: the model's own forward. A frozen row
+        keeps whatever length it has after that forward."""
         raise_if(not_begun(self, "step"))
         t0 = time.perf_counter()
         G, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
@@ -295,7 +299,11 @@ class SpeculativeDecoder:
         positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
         valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
         layers = self.hidden_layers
-        out = model(ids, positions, cache, valid=valid, **({"hidden_layers": layers} if layers else {}))
+        if forward is not None and layers:
+            raise SetupError("a drafter that reads the target's hidden states verifies through the model's own "
+                             "forward, not a shared one")
+        out = (forward(ids, positions, valid) if forward is not None else
+               model(ids, positions, cache, valid=valid, **({"hidden_layers": layers} if layers else {})))
         logits, hidden = out if layers else (out, None)  # [B, G + 1, V], {layer: [B, G + 1, dim]}
         sync(model.device)
         t2 = time.perf_counter()
@@ -309,7 +317,7 @@ class SpeculativeDecoder:
             alpha = overlap(p[:, :G], q)  # [B, G]
         n_cpu = torch.where(active, n.cpu(), torch.zeros_like(n.cpu()))
         # keep last + the accepted drafts; frozen rows keep exactly what they had
-        cache.truncate(torch.where(active, L + 1 + n_cpu, L))
+        cache.truncate(torch.where(active, L + 1 + n_cpu, cache.lengths))
         self.drafter.commit(n_cpu, nxt, active)
         if hidden is not None:  # the states of what each row kept: last and its accepted drafts
             keep = [int(n_cpu[b]) + 1 if bool(active[b]) else 0 for b in range(B)]

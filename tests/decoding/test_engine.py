@@ -301,8 +301,11 @@ def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alo
     # rows hold at most 18: room for 1.5 of them)
     row = (lambda n: cache.row_bytes(n) + decoder.row_bytes(n))  # noqa: E731
     budget = row(18) * 1.5 if backend == "sliding-imposed" else row(60) * 1.3
+    shared, step = [], decoder.step  # rounds whose verify ran in one forward with other rows' prefill chunks
+    decoder.step = lambda *a, **k: shared.append(k.get("forward") is not None) or step(*a, **k)
     r = serve(lm.model, cache, decoder, requests(prompts, 0.005), token_budget=16, kv_budget_mb=budget / 2**20)
     assert [x.tokens for x in r.requests] == expected
+    assert any(shared) and not all(shared)  # some verifies shared their forward with prefill chunks, some ran alone
     assert max(t["kv_bytes"] for t in r.timeline) <= r.kv_budget_bytes  # the draft's bytes within the budget
     assert r.preemptions > 0 and decoder.stats["target_calls"] > 0
     assert decoder.stats["tokens_per_target_call"] > 1.0  # some drafts were accepted
