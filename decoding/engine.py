@@ -44,6 +44,13 @@ request that has computed nothing yet maps again, before each step, what got cac
 A request that can never run (longer than a row or than the whole budget, bad token ids)
 is rejected on arrival with its reason; the others are served.
 
+`compile=True` runs a decode step in which every cache row decodes through the compiled
+static step (decoding/compiled.py; any backend with a `static_plan`, int4's host plan
+included), compiled once before the first request; other steps stay eager. Measured on a
+2-core CPU it loses at 8 rows (SmolLM2: 0.60x the eager engine's offline tok/s; a compiled
+step 51 ms against the eager 25 ms at batch 8, 27 against 32 at batch 1;
+experiments/results/engine-compile): off by default.
+
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
 prefill chunks of other rows), each request keeping its own accepted drafts; a
@@ -152,6 +159,8 @@ class EngineResult:
     wall_s: float
     preemptions: int = 0
     steps: int = 0
+    compiled_steps: int = 0  # decode steps through the compiled step (`compile=True`)
+    compile_s: float = 0.0  # that step's compile, at the start of the run, before any request's clock
 
 
 def engine_problems(cache, decoder, token_budget: int, policy: str, max_running: int | None = None,
@@ -183,6 +192,21 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     return p
 
 
+def _compile_problems(cache, decoder, compile) -> list[str]:
+    """`compile`: a bool; where true, a decoder that takes a one-token step and a cache with a
+    compiled step (its `static_plan`)."""
+    if not isinstance(compile, bool):
+        return [f"compile must be true or false, got {compile!r}"]
+    if not compile:
+        return []
+    if decoder.lookahead:
+        return [f"compile=True in the engine compiles plain decode steps; {type(decoder).__name__} verifies "
+                "gamma + 1 tokens per row (run it with compile=False)"]
+    from decodelab.decoding.compiled import static_problems
+
+    return [f"compile=True: {r}" for r in static_problems(cache, "compile")]
+
+
 def total_budget(cache, decoder) -> int:
     """K/V bytes the target cache and the decoder's own (a draft model's) can hold at most."""
     return cache.budget_bytes() + decoder.budget_bytes(cache.batch_size, cache.capacity)
@@ -193,11 +217,12 @@ class Engine:
 
     def __init__(self, model, cache, decoder, token_budget: int = 256, policy: str = "decode-first",
                  chunked_prefill: bool = True, kv_budget_mb: float | None = None, max_running: int | None = None,
-                 eos_ids=(), headroom: int = 16):
+                 eos_ids=(), headroom: int = 16, compile: bool = False):
         bad_headroom = [] if isinstance(headroom, int) and headroom >= 0 else [
             f"headroom must be an integer >= 0 tokens, got {headroom!r}"]
         raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb)
-                 + bad_headroom + decoder.problems(model, cache))
+                 + bad_headroom + decoder.problems(model, cache) + _compile_problems(cache, decoder, compile))
+        self.compile, self.static = compile, None
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
@@ -230,11 +255,18 @@ class Engine:
                    for i, r in enumerate(requests)]
         pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
         self.cache.reset()
+        compile_s = 0.0
+        if self.compile and self.static is None:  # compiled now (on the emptied cache), not in a request
+            from decodelab.decoding.compiled import compiled_step
+
+            t = time.perf_counter()
+            self.static = compiled_step(self.model, self.cache)
+            compile_s = time.perf_counter() - t
         # one placeholder token per row: each request's row is filled when it is admitted (`admit`)
         self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity)
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request
-        self._order, timeline, preempted, steps = 0, [], 0, 0
+        self._order, timeline, preempted, steps, self._compiled_steps = 0, [], 0, 0, 0
         t0 = time.perf_counter()
         clock = lambda: time.perf_counter() - t0  # noqa: E731
         while pending or self.waiting or self.running:
@@ -270,7 +302,8 @@ class Engine:
             timeline.append({"t": clock(), "running": len(self.running), "waiting": len(self.waiting),
                              "kv_bytes": self._used(), "decode_rows": len(decode),
                              "prefill_tokens": sum(c for _, c in chunks)})
-        return EngineResult(results, timeline, self.kv_budget, clock(), preempted, steps)
+        return EngineResult(results, timeline, self.kv_budget, clock(), preempted, steps, self._compiled_steps,
+                            compile_s)
 
     def _arrive(self, i: int, req: Request, res: RequestResult, clock) -> None:
         why = self.rejection(req)
@@ -394,6 +427,14 @@ class Engine:
         (a speculative decoder drafts, verifies and may emit several, over every row)."""
         if self.decoder.lookahead:
             return self._speculate(decode, clock)
+        if self.static is not None and len(decode) == self.cache.batch_size:  # every row decodes: the static step
+            last = torch.zeros(self.cache.batch_size, dtype=torch.long)
+            for r in decode:
+                last[r.row] = r.res.tokens[-1]
+            logits = self.static.step(last.to(self.model.device))  # [B, V]
+            self._compiled_steps += 1
+            self._emit(decode, [[t] for t in self.decoder.start(logits[[r.row for r in decode]]).tolist()], clock)
+            return
         seg, at = self._decode_segment(decode, self._decode_rows(decode))
         logits = self.model.forward_segments([seg], self.cache)[0]  # [b, 1, V]
         self._emit(decode, [[t] for t in self.decoder.start(logits[[at[r.row] for r in decode], 0]).tolist()], clock)

@@ -379,3 +379,30 @@ def test_speculative_rows_near_capacity_are_released_with_their_request(tiny_mod
     expected = [generate(m, cache_for(m, 1, 42), greedy(), [x], n).tokens[0]
                 for x, n in ((random_ids(20, seed=1), 17), (random_ids(5), 32))]
     assert [x.tokens for x in r.requests] == expected
+
+
+@pytest.mark.parametrize("name,backend", [("llama", b) for b in ON["llama"]] + [("gemma3", "sliding")])
+def test_a_compiled_engine_serves_the_same_tokens(tiny_models, alone, name, backend, monkeypatch):
+    """compile=True: a decode step in which every cache row decodes runs through the compiled
+    static step (the others, and prefill chunks, eagerly); every request's tokens are its
+    greedy tokens alone, as the eager engine gives them, on every backend (int4: its host
+    plan). Here through dynamo's `eager` backend (test_compiled.py runs inductor)."""
+    import decodelab.decoding.compiled as compiled
+
+    monkeypatch.setattr(compiled, "compiled_step", functools.partial(compiled.compiled_step, backend="eager"))
+    m = tiny_models[name].model
+    prompts, expected = alone[name, backend]
+    cache = cache_for(m, 3, 80, SERVING[backend])
+    r = serve(m, cache, greedy(), requests(prompts, 0.005), token_budget=16, compile=True)
+    assert [x.tokens for x in r.requests] == expected
+    assert 0 < r.compiled_steps < r.steps and r.compile_s > 0  # full-batch decode steps compiled, the rest eager
+
+
+def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):
+    m = tiny_models["llama"].model
+    from decodelab.decoding.drafters import prompt_lookup
+
+    with pytest.raises(SetupError, match="compile=True in the engine compiles plain decode steps; SpeculativeDecoder"):
+        Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2), compile=True)
+    with pytest.raises(SetupError, match="compile must be true or false, got 'yes'"):
+        Engine(m, cache_for(m, 2, 64), greedy(), compile="yes")

@@ -1,0 +1,112 @@
+"""Offline serving throughput of the compiled engine (`compile=True`: a decode step in which
+every cache row decodes runs through the compiled static step) against the eager engine and
+transformers' continuous batching (`generate_batch`), side by side in one process.
+
+    python -c "from decodelab.experiments.engine_compile import main; main()" [--backends dense int4]
+    python -c "from decodelab.experiments.engine_compile import step_times; step_times()"   # one step, B=1 and 8
+
+SmolLM2-135M fp32, `--requests` ShareGPT prompts (seed 0, chat template) all at t = 0,
+`--new` greedy tokens each (EOS ignored), `--rows` cache rows, greedy; per backend the
+three systems alternate `--rounds` times (transformers once per round, beside the first
+backend only); reported: output tok/s over the whole run (median over rounds; the compile,
+done once before the first compiled run, apart), whether each engine's tokens equal the
+eager engine's and transformers'."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backends", nargs="+", default=["dense", "int4"])
+    a = ap.parse_args(argv)
+    import torch
+
+    from decodelab.cache import backend as cache_backend
+    from decodelab.decoding import greedy, make_cache
+    from decodelab.decoding.engine import Engine, Request
+    from decodelab.experiments.harness import run_conditions
+    from decodelab.experiments.workloads import ShareGPT
+    from decodelab.models import load
+    from decodelab.models.reference import hf_generate_batch, hf_model_for
+
+    torch.set_num_threads(a.threads)
+    lm = load("smollm2-135m", device="cpu")
+    prompts = [lm.tokenizer.encode(r.prompt, chat=True) for r in ShareGPT(n=a.requests, seed=0)(lm)]
+    capacity = max(map(len, prompts)) + a.new
+    hf = hf_model_for(lm)
+    hf_generate_batch(hf, [prompts[0][:16]], [4])  # warm-up, untimed
+    rows = []
+    for i, b in enumerate(a.backends):
+        factory = cache_backend(b)
+        engines = {m: Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory), greedy(), compile=c)
+                   for m, c in (("eager", False), ("compiled", True))}
+        tok_s, tokens, compile_s, compiled_steps = {"eager": [], "compiled": [], "transformers": []}, {}, 0.0, 0
+        for _ in range(a.rounds):
+            for m, e in engines.items():
+                r = e.run([Request(p, a.new, 0.0, j) for j, p in enumerate(prompts)])
+                tok_s[m].append(sum(len(x.tokens) for x in r.requests) / r.wall_s)
+                tokens[m] = [x.tokens for x in r.requests]
+                if m == "compiled":
+                    compile_s, compiled_steps = max(compile_s, r.compile_s), r.compiled_steps
+            if i == 0:
+                h = hf_generate_batch(hf, prompts, [a.new] * len(prompts))
+                tok_s["transformers"].append(sum(map(len, h["tokens"])) / h["wall_s"])
+                tokens["transformers"] = h["tokens"]
+        med = {m: statistics.median(v) for m, v in tok_s.items() if v}
+        rows.append({"backend": b, "output_tok_s": med, "compiled_over_eager": med["compiled"] / med["eager"],
+                     **({"compiled_over_transformers": med["compiled"] / med["transformers"],
+                         "eager_over_transformers": med["eager"] / med["transformers"],
+                         "same_as_transformers": tokens["eager"] == tokens["transformers"]} if i == 0 else {}),
+                     "compiled_same_as_eager": tokens["compiled"] == tokens["eager"], "rounds": tok_s,
+                     "compile_s": compile_s, "compiled_steps_last_run": compiled_steps})
+        print(json.dumps(rows[-1]), flush=True)
+    cond = {**run_conditions(lm.model), "requests": a.requests, "rows": a.rows, "new_tokens": a.new,
+            "prompt_tokens": [len(p) for p in prompts]}
+    print(json.dumps({"conditions": cond}))
+
+
+def step_times(batches=(1, 8), steps: int = 20, threads: int = 2) -> None:
+    """One decode step, compiled (static step, replayed) against eager (the model's forward),
+    per batch size, dense cache, 60-token rows; median-free mean over `steps` after 3 warm-ups."""
+    import time
+
+    import torch
+
+    from decodelab.cache.dense import DenseCache
+    from decodelab.decoding import make_cache, prefill
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.models import load
+
+    torch.set_num_threads(threads)
+    m = load("smollm2-135m", device="cpu").model
+    for B in batches:
+        prompts = [[5 + i] * 60 for i in range(B)]
+        last = torch.zeros(B, dtype=torch.long)
+        static = compiled_step(m, make_cache(m, B, 256, DenseCache))
+        prefill(m, static.cache, prompts)
+        eager = make_cache(m, B, 256, DenseCache)
+        prefill(m, eager, prompts)
+        out = {}
+        with torch.no_grad():
+            for name, fn in (("compiled", lambda: static.step(last)),
+                             ("eager", lambda: m(last[:, None], eager.lengths[:, None], eager))):
+                for _ in range(3):
+                    fn()
+                t = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                out[name + "_ms"] = 1e3 * (time.perf_counter() - t) / steps
+        print(json.dumps({"batch": B, **out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
