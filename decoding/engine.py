@@ -192,7 +192,7 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     return p
 
 
-def _compile_problems(cache, decoder, compile) -> list[str]:
+def engine_compile_problems(cache, decoder, compile) -> list[str]:
     """`compile`: a bool; where true, a decoder that takes a one-token step and a cache with a
     compiled step (its `static_plan`)."""
     if not isinstance(compile, bool):
@@ -221,7 +221,7 @@ class Engine:
         bad_headroom = [] if isinstance(headroom, int) and headroom >= 0 else [
             f"headroom must be an integer >= 0 tokens, got {headroom!r}"]
         raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb)
-                 + bad_headroom + decoder.problems(model, cache) + _compile_problems(cache, decoder, compile))
+                 + bad_headroom + decoder.problems(model, cache) + engine_compile_problems(cache, decoder, compile))
         self.compile, self.static = compile, None
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill

@@ -70,7 +70,8 @@ def test_latency_percentiles_interpolate_linearly_as_vllm_does():
 @pytest.mark.parametrize("override,msg", [("rates=[0]", "rates must be > 0"), ("token_budget=0", "token_budget"),
                                           ("policy=lifo", "policy must be one of"), ("trace=nope", "trace must be"),
                                           ("backends=[nosuch]", "does not exist"),
-                                          ("synthetic.prompt_tokens=[9,3]", "synthetic.prompt_tokens")])
+                                          ("synthetic.prompt_tokens=[9,3]", "synthetic.prompt_tokens"),
+                                          ("compile=maybe", "backend dense: compile must be true or false")])
 def test_bad_options_are_refused_before_weights_load(override, msg):
     with pytest.raises(SetupError, match=msg):
         check(config(override))
