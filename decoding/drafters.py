@@ -275,11 +275,8 @@ def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: 
                         gamma=BEST_GAMMA.get(weights, 4) if gamma is None else gamma)
 
 
-#: the quantized self-drafts' best measured lookahead (SmolLM2-135M, 2 threads, Zen 5): int8
-#: at gamma 8, both eager (main job's spec_gamma: 2.11x greedy, against 1.79 at 4) and with
-#: compile=true on every backend (experiments/results/spec-compiled-gamma: 1.81-1.93x compiled
-#: greedy on dense, paged and sliding, 1.66 on int4, against 1.61-1.74 at 4); int4 weights have
-#: no clear best (1.45-1.49x at gamma 1, 2 and 4): 4
+#: the quantized self-drafts' best measured lookahead, the decoder's gamma where none is given
+#: (the sweeps behind it: experiments/results/spec-compiled-gamma and the main job's spec_gamma)
 BEST_GAMMA = {"int8": 8, "int4": 4}
 
 quantized_self.quantizes_target = True  # declared: setup refuses it for a target quantized already

@@ -46,10 +46,8 @@ is rejected on arrival with its reason; the others are served.
 
 `compile=True` runs a decode step in which every cache row decodes through the compiled
 static step (decoding/compiled.py; any backend with a `static_plan`, int4's host plan
-included), compiled once before the first request; other steps stay eager. Measured on a
-2-core CPU it loses at 8 rows (SmolLM2: 0.60x the eager engine's offline tok/s; a compiled
-step 51 ms against the eager 25 ms at batch 8, 27 against 32 at batch 1;
-experiments/results/engine-compile): off by default.
+included), compiled once before the first request; other steps stay eager. Off by default:
+whether it pays depends on the batch (experiments/README.md, "engine-compile").
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
