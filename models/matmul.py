@@ -4,8 +4,11 @@
 - `reference`: always `x @ W`, torch's own kernel (MKL on an x86 CPU);
 - `onednn`: products of 2 to `MAX_ROWS` (64) rows (a verify over gamma + 1 tokens, a
   decode step of a batch, a short prompt) use oneDNN's linear over a packed copy of the
-  weight (fp32 models on a CPU; autograd and torch.compile take the reference);
-  one-row products and longer prefills stay on `x @ W`;
+  weight (fp32 models on a CPU; autograd takes the reference); one-row products and
+  longer prefills stay on `x @ W`. Traced by torch.compile (a compiled step,
+  decoding/compiled.py), the oneDNN product is one opaque call in the graph
+  (`decodelab::onednn_linear`): inductor would lower `x @ W` to MKL's sgemm, 2x slower
+  than oneDNN's packed linear at 8 rows (SmolLM2's head: 10.7 against 2.2 ms, Zen 5);
 - `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
   else `reference`.
 
@@ -25,6 +28,7 @@ do (tests/models/test_matmul.py: logits within 1e-4 on every tiny model family).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -84,6 +88,10 @@ class PackedWeight:
         self.key: tuple | None = None
         self.source: weakref.ref | None = None
         self.packed: torch.Tensor | None = None
+        handle = next(_HANDLES)
+        _PACKS[handle] = self  # weakly: what a compiled graph's oneDNN call finds it by
+        # data, not a constant: a graph input, so that a graph serves any model of its shapes
+        self.handle = torch.tensor(handle, device="cpu")  # (a model built on the meta device too)
 
     def get(self, w: torch.Tensor, out_in: bool = False) -> torch.Tensor:
         """The packed copy of `w` ([in, out], or [out, in] with `out_in`)."""
@@ -101,13 +109,47 @@ class PackedWeight:
         return PackedWeight()  # derived data (and oneDNN's opaque tensors cannot be copied)
 
     def __getstate__(self) -> dict:
-        return {"key": None, "source": None, "packed": None}
+        return {}  # derived data: an unpickled copy packs afresh
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+#: the live PackedWeights of the process, by handle (what the traced op carries)
+_PACKS: "weakref.WeakValueDictionary[int, PackedWeight]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def _linear(x2: torch.Tensor, packed: PackedWeight, w: torch.Tensor, b: torch.Tensor | None,
+            out_in: bool) -> torch.Tensor:
+    """y [rows, out] = x2 [rows, in] @ W (+ b) through oneDNN's packed copy of w (packed on
+    first use, rebuilt when w changes)."""
+    rows = x2.shape[0]
+    if rows == 2:  # oneDNN's 2-row kernel streams the weights ~35% slower than its 3-row one
+        x2 = torch.cat([x2, x2[:1]])
+    y = torch.ops.mkldnn._linear_pointwise(x2, packed.get(w, out_in=out_in), b, "none", [], "")
+    return y[:rows] if rows == 2 else y
+
+
+def _onednn_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_in: bool,
+                   handle: torch.Tensor) -> torch.Tensor:
+    """`_linear` on the PackedWeight `handle` names: what a traced graph calls (one opaque
+    op, `decodelab::onednn_linear`: oneDNN's packed weight is an opaque oneDNN tensor, which
+    inductor cannot take as a graph input; its fake gives the output's shape)."""
+    packed = _PACKS.get(int(handle))
+    if packed is None:
+        raise RuntimeError("a compiled step's oneDNN projection ran after its model's weights were dropped")
+    return _linear(x2, packed, w, b, out_in)
+
+
+# registered with the module (under a millisecond, no torch._dynamo import)
+torch.library.custom_op("decodelab::onednn_linear", _onednn_linear, mutates_args=()).register_fake(
+    lambda x2, w, b, out_in, handle: x2.new_empty(x2.shape[0], w.shape[0] if out_in else w.shape[1]))
 
 
 def _takes_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-    return (2 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
-            and not torch.compiler.is_compiling())  # packing cannot run on fake tensors
+    return 2 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
 
 
 def project(
@@ -124,8 +166,9 @@ def project(
         y = x @ w
         return y if b is None else y + b
     x2 = x.reshape(rows, x.shape[-1])
-    if rows == 2:  # oneDNN's 2-row kernel streams the weights ~35% slower than its 3-row one
-        x2 = torch.cat([x2, x2[:1]])
-    weight = packed.get(w) if w_out_in is None else packed.get(w_out_in, out_in=True)
-    y = torch.ops.mkldnn._linear_pointwise(x2, weight, b, "none", [], "")
-    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+    wt, out_in = (w, False) if w_out_in is None else (w_out_in, True)
+    if torch.compiler.is_compiling():
+        y = torch.ops.decodelab.onednn_linear(x2, wt, b, out_in, packed.handle)
+    else:
+        y = _linear(x2, packed, wt, b, out_in)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -79,15 +79,43 @@ def test_fallbacks_to_reference():
     b = torch.zeros(8, requires_grad=True)
     project(x, w.detach(), b, "onednn", packed).sum().backward()  # a bias that wants a gradient too
     assert torch.equal(b.grad, torch.full((8,), 3.0)) and packed.packed is None
-    compiled = torch.compile(lambda a: project(a, w.detach(), None, "onednn", packed), backend="eager", fullgraph=True)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), x @ w.detach())  # torch.compile traces the reference
     with torch.no_grad():
         project(x[:1], w, None, "onednn", packed)  # one row: MKL's gemv
         project(x.double(), w.double(), None, "onednn", packed)  # fp32 only
         project(x, w, None, "reference", packed)
         project(torch.randn(matmul.MAX_ROWS + 1, 16), w, None, "onednn", packed)  # a prefill: MKL
     assert packed.packed is None
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("out_in", [False, True])
+def test_a_traced_projection_calls_onednn_as_one_opaque_op(rows, out_in):
+    """Under torch.compile (inductor) a multi-row product is one `decodelab::onednn_linear`
+    call on the packed copy (made when the compiled code first runs), not inductor's own
+    matmul; one row stays `x @ W`. The PackedWeight is made on the meta device, as a model
+    built there (`load`, `random_model`) makes it: its handle still lives on the CPU (a
+    meta handle would dispatch the op to its fake, which returns uninitialized memory)."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(48, 80, generator=g), torch.randn(rows, 48, generator=g)
+    with torch.device("meta"):
+        packed = PackedWeight()
+    assert packed.handle.device.type == "cpu"
+    held = w.t().contiguous() if out_in else None  # a tied head's [out, in] weight
+    fn = torch.compile(lambda a: project(a.relu(), w, None, "onednn", packed, held) + 1, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), x.relu() @ w + 1, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(fn(x * 2), (x * 2).relu() @ w + 1, rtol=1e-5, atol=1e-4)
+    assert (packed.packed is not None) == (rows > 1)
+
+
+@needs_onednn
+def test_a_traced_projection_of_dropped_weights_says_so():
+    packed = PackedWeight()
+    handle = packed.handle
+    del packed
+    with pytest.raises(RuntimeError, match="weights were dropped"):
+        torch.ops.decodelab.onednn_linear(torch.randn(3, 4), torch.randn(4, 5), None, False, handle)
 
 
 @needs_onednn
