@@ -414,6 +414,36 @@ def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "
     return dec
 
 
+class VerifyForward:
+    """A speculative verify's `forward(ids [B, T], positions, valid) -> logits [B, T, V]`
+    (the `forward` of `SpeculativeDecoder.step`) through a compiled static step of T tokens
+    per row (`compiled_step(..., tokens=T)`) where the step fits it: every row verifies
+    (`valid` all true: a frozen row must not grow) with exactly T tokens, at its next
+    positions (the step books them from the cache's lengths, as the verify does); other
+    verifies (a shorter last round, frozen rows) run the model's eager forward. `steps`
+    counts the compiled ones. The logits live in the step's buffer: read before the next."""
+
+    def __init__(self, static: StaticDecoder, model, cache):
+        self.static, self.model, self.cache, self.steps = static, model, cache, 0
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] == self.static.tokens and bool(valid.all()):
+            self.steps += 1
+            return self.static.step(ids)
+        return self.model(ids, positions, self.cache, valid=valid)
+
+
+def compiled_verify(model, cache, decoder) -> "VerifyForward | None":
+    """The compiled verify of a speculative `decoder` over `cache` (`VerifyForward`), compiled
+    now, where the decoder verifies a fixed number of tokens (`verify_tokens`: not adaptive,
+    no drafter that reads the target's hidden states) and the cache plans a step of that many
+    (`static_problems`); else None (the verify stays eager)."""
+    tokens = getattr(decoder, "verify_tokens", None)
+    if not tokens or static_problems(cache, "compile", tokens):
+        return None
+    return VerifyForward(compiled_step(model, cache, tokens=tokens), model, cache)
+
+
 def static_capacity(need: int, limit: int, multiple: int = 256) -> int:
     """A cache capacity for a compiled step: `need` rounded up to a multiple of
     `multiple` (no more than `limit`, the model's context), so that requests of nearby

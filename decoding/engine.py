@@ -46,8 +46,11 @@ is rejected on arrival with its reason; the others are served.
 
 `compile=True` runs a decode step in which every cache row decodes through the compiled
 static step (decoding/compiled.py; any backend with a `static_plan`, int4's host plan
-included), compiled once before the first request; other steps stay eager. Off by default:
-whether it pays depends on the batch (experiments/README.md, "engine-compile").
+included), compiled once before the first request; other steps stay eager. With a
+speculative decoder of a fixed gamma it compiles the verify of gamma + 1 tokens
+(`compiled_verify`: a round in which every row verifies and no prefill chunk shares the
+forward) and a draft model's one-token steps. Off by default (a compile of 10-40 s before
+the first request; experiments/README.md, "engine-compile").
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
@@ -191,18 +194,23 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
 
 
 def engine_compile_problems(cache, decoder, compile) -> list[str]:
-    """`compile`: a bool; where true, a decoder that takes a one-token step and a cache with a
-    compiled step (its `static_plan`)."""
+    """`compile`: a bool; where true, a cache with a compiled step (its `static_plan`) of the
+    tokens a step feeds per row: one, or a speculative decoder's fixed gamma + 1
+    (`verify_tokens`; adaptive gamma and drafters that read hidden states verify eagerly)."""
     if not isinstance(compile, bool):
         return [f"compile must be true or false, got {compile!r}"]
     if not compile:
         return []
+    tokens = 1
     if decoder.lookahead:
-        return [f"compile=True in the engine compiles plain decode steps; {type(decoder).__name__} verifies "
-                "gamma + 1 tokens per row (run it with compile=False)"]
+        tokens = getattr(decoder, "verify_tokens", None)
+        if not tokens:
+            return [f"compile=True in the engine compiles steps of a fixed number of tokens; {decoder!r} verifies "
+                    "a varying number (adaptive gamma) or returns hidden states: run it with compile=False, or "
+                    "give it a fixed gamma (decoder.adaptive=false)"]
     from decodelab.decoding.compiled import static_problems
 
-    return [f"compile=True: {r}" for r in static_problems(cache, "compile")]
+    return [f"compile=True: {r}" for r in static_problems(cache, "compile", tokens)]
 
 
 def total_budget(cache, decoder) -> int:
@@ -255,13 +263,17 @@ class Engine:
         self.cache.reset()
         compile_s = 0.0
         if self.compile and self.static is None:  # compiled now (on the emptied cache), not in a request
-            from decodelab.decoding.compiled import compiled_step
+            from decodelab.decoding.compiled import compiled_step, compiled_verify
 
-            t = time.perf_counter()
-            self.static = compiled_step(self.model, self.cache)
+            t = time.perf_counter()  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
+            self.static = compiled_verify(self.model, self.cache, self.decoder) if self.decoder.lookahead else \
+                compiled_step(self.model, self.cache)
             compile_s = time.perf_counter() - t
-        # one placeholder token per row: each request's row is filled when it is admitted (`admit`)
-        self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity)
+        # one placeholder token per row: each request's row is filled when it is admitted (`admit`);
+        # with compile, a draft model's one-token steps are compiled too (its `begin`)
+        self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity,
+                           **({"compile": True} if self.compile and self.decoder.lookahead else {}))
+        compile_s += getattr(self.decoder, "compile_s", 0.0)
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request
         self._order, timeline, preempted, steps, self._compiled_steps = 0, [], 0, 0, 0
@@ -505,8 +517,14 @@ class Engine:
             full[rows] = logits[0]
             return full
 
+        verify = forward if groups else None
+        compiled = not groups and self.static is not None and len(decode) == B
+        if compiled:  # every row verifies, nothing else in the step: the compiled verify (VerifyForward)
+            verify, before = self.static, self.static.steps
         produced = self.decoder.step(self.model, self.cache, last.to(self.model.device), done=done, left=left,
-                                     forward=forward if groups else None)
+                                     forward=verify)
+        if compiled:  # (a shorter last round verifies eagerly)
+            self._compiled_steps += self.static.steps - before
         for g, lg in zip(groups, prefilled):
             self._prefilled(g, lg, clock)
         kept = [0] * B

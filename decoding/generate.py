@@ -9,7 +9,7 @@ from typing import Callable, Generator
 
 import torch
 
-from decodelab.decoding.compiled import compiled_step, static_problems
+from decodelab.decoding.compiled import compiled_step, compiled_verify, static_problems
 from decodelab.decoding.prefill import prefill, token_id_problems
 from decodelab.models.errors import SetupError, raise_if, shown
 
@@ -152,7 +152,8 @@ def argument_type_problems(model, cache, decoder) -> list[str]:
 def compile_problems(cache, decoder) -> list[str]:
     """Why `compile=True` cannot serve this cache and decoder (empty when it can): a plain
     decoder's one-token step runs compiled over `cache`; a speculative decoder compiles its
-    drafter's steps (their cache checked where it is built) and verifies eagerly."""
+    drafter's steps (their cache checked where it is built) and its verify where the cache
+    plans a step of that many tokens (else the verify stays eager)."""
     if getattr(decoder, "compiles_drafter", False):
         return []
     if not getattr(decoder, "takes_compiled_step", False):
@@ -254,10 +255,11 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
     """The loop of `stream_tokens` (its inputs checked): prefill, then one decoder step
     per round until every row has stopped; the kept tokens' events after each round."""
     forward, compile_s = {}, 0.0
-    if compile and not getattr(decoder, "compiles_drafter", False):
+    if compile:  # a plain decoder's one-token step; a speculative decoder's verify (where it is fixed)
         t = time.perf_counter()
-        forward = {"forward": compiled_step(model, cache).step}
-        compile_s = time.perf_counter() - t
+        fn = compiled_verify(model, cache, decoder) if getattr(decoder, "compiles_drafter", False) else \
+            compiled_step(model, cache).step
+        forward, compile_s = ({"forward": fn}, time.perf_counter() - t) if fn is not None else ({}, 0.0)
     t0 = t_start + compile_s if t_start is not None else time.perf_counter()
     cache.reset()
     decoder.begin(model.device, prompts, cache.capacity, **({"compile": True} if compile and getattr(
@@ -300,8 +302,9 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     they come (`stream_tokens` is this loop as an iterator of events).
     `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
     before the prefill (once per model, batch and cache capacity in a process); with a
-    speculative decoder it compiles a draft model's one-token steps instead (its verify
-    stays eager: `SpeculativeDecoder.compiles_drafter`). That time, and a drafter's own
+    speculative decoder it compiles a draft model's one-token steps and the verify of
+    gamma + 1 tokens (`compiled_verify`: a fixed gamma, a cache that plans it; a last
+    shorter round and rounds with finished rows verify eagerly). That time, and a drafter's own
     compile (`draft.compile`), is `compile_s`, and the token times leave it out (they count
     from `t_start` plus it)."""
     events = stream_tokens(model, cache, decoder, prompts, max_new_tokens, eos_ids=eos_ids, stop=stop,

@@ -177,9 +177,10 @@ class SpeculativeDecoder:
 
     needs_drafter = True  # the `draft` config group builds it
     lossless_at_temperature_0 = True  # greedy verification keeps the target's argmax
-    #: generate's compile=True compiles the drafter's one-token steps (a draft model's); the
-    #: verify stays on oneDNN's multi-row kernels, which a compiled T-token step does not beat
-    #: on a CPU (SmolLM2, 5 tokens: 22 ms eager against 50 ms compiled; experiments/README.md)
+    #: generate's compile=True compiles the drafter's one-token steps (a draft model's) and,
+    #: where `verify_tokens` is fixed, the verify (decoding/compiled.py's `VerifyForward`;
+    #: SmolLM2 fp32, Zen 5, 2 threads: 5 tokens 18.2 ms compiled against 22.5 eager, 9 tokens
+    #: 21.3 against 24.2)
     compiles_drafter = True
 
     def __init__(self, drafter, gamma: int | None = None, temperature: float = 0.0, top_k: int = 0,
@@ -227,6 +228,14 @@ class SpeculativeDecoder:
         states of the tokens each row now holds ({layer: [h_b [n_b, dim]]}, row b's from
         position start[b])."""
         return tuple(getattr(self.drafter, "hidden_layers", ()))
+
+    @property
+    def verify_tokens(self) -> int | None:
+        """Tokens per row of every full verify (gamma + 1), where that number is fixed: not
+        with adaptive gamma, nor with a drafter that reads the target's hidden states (its
+        verify returns them, which a compiled step does not); None there. A compiled verify
+        step is built for this many (`compiled_verify`)."""
+        return None if self.adaptive or self.hidden_layers else self.gamma0 + 1
 
     @property
     def compile_s(self) -> float:

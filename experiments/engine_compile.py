@@ -1,16 +1,20 @@
 """Offline serving throughput of the compiled engine (`compile=True`: a decode step in which
-every cache row decodes runs through the compiled static step) against the eager engine and
-transformers' continuous batching (`generate_batch`), side by side in one process.
+every cache row decodes runs through the compiled static step; with a speculative decoder,
+a round in which every row verifies runs the compiled verify and the draft's steps are
+compiled) against the eager engine and transformers' continuous batching
+(`generate_batch`), side by side in one process.
 
-    python -c "from decodelab.experiments.engine_compile import main; main()" [--backends dense int4]
+    python -c "from decodelab.experiments.engine_compile import main; main()"   # [--backends ...] [--decoders ...]
     python -c "from decodelab.experiments.engine_compile import step_times; step_times()"   # one step, B=1 and 8
 
 SmolLM2-135M fp32, `--requests` ShareGPT prompts (seed 0, chat template) all at t = 0,
-`--new` greedy tokens each (EOS ignored), `--rows` cache rows, greedy; per backend the
-three systems alternate `--rounds` times (transformers once per round, beside the first
-backend only); reported: output tok/s over the whole run (median over rounds; the compile,
-done once before the first compiled run, apart), whether each engine's tokens equal the
-eager engine's and transformers'."""
+`--new` tokens each (EOS ignored), `--rows` cache rows; decoders: greedy, and greedy
+speculative with the int8 self-draft at its defaults (conf/draft/int8-self.yaml: gamma 8,
+caching through the target's backend). Per backend and decoder the two engines alternate
+`--rounds` times, transformers once per round beside the first backend's greedy only;
+reported: output tok/s over the whole run (median over rounds; the compile, done once
+before the first compiled run, apart), whether each engine's tokens equal the eager greedy
+engine's (speculative decoding is lossless at temperature 0) and transformers'."""
 
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", nargs="+", default=["dense", "int4"])
+    ap.add_argument("--backends", nargs="+", default=["dense", "paged", "int4", "sliding"])
+    ap.add_argument("--decoders", nargs="+", default=["greedy", "int8-self"], choices=["greedy", "int8-self"])
     a = ap.parse_args(argv)
     import torch
 
     from decodelab.cache import backend as cache_backend
-    from decodelab.decoding import greedy, make_cache
+    from decodelab.decoding import SpeculativeDecoder, greedy, make_cache
+    from decodelab.decoding.drafters import quantized_self
     from decodelab.decoding.engine import Engine, Request
     from decodelab.experiments.harness import run_conditions
     from decodelab.experiments.workloads import ShareGPT
@@ -41,34 +47,43 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     lm = load("smollm2-135m", device="cpu")
     prompts = [lm.tokenizer.encode(r.prompt, chat=True) for r in ShareGPT(n=a.requests, seed=0)(lm)]
-    capacity = max(map(len, prompts)) + a.new
+    capacity = max(map(len, prompts)) + a.new + 16  # (room for a verify's lookahead)
     hf = hf_model_for(lm)
     hf_generate_batch(hf, [prompts[0][:16]], [4])  # warm-up, untimed
     rows = []
     for i, b in enumerate(a.backends):
-        factory = cache_backend(b)
-        engines = {m: Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory), greedy(), compile=c)
-                   for m, c in (("eager", False), ("compiled", True))}
-        tok_s, tokens, compile_s, compiled_steps = {"eager": [], "compiled": [], "transformers": []}, {}, 0.0, 0
-        for _ in range(a.rounds):
-            for m, e in engines.items():
-                r = e.run([Request(p, a.new, 0.0, j) for j, p in enumerate(prompts)])
-                tok_s[m].append(sum(len(x.tokens) for x in r.requests) / r.wall_s)
-                tokens[m] = [x.tokens for x in r.requests]
-                if m == "compiled":
-                    compile_s, compiled_steps = max(compile_s, r.compile_s), r.compiled_steps
-            if i == 0:
-                h = hf_generate_batch(hf, prompts, [a.new] * len(prompts))
-                tok_s["transformers"].append(sum(map(len, h["tokens"])) / h["wall_s"])
-                tokens["transformers"] = h["tokens"]
-        med = {m: statistics.median(v) for m, v in tok_s.items() if v}
-        rows.append({"backend": b, "output_tok_s": med, "compiled_over_eager": med["compiled"] / med["eager"],
-                     **({"compiled_over_transformers": med["compiled"] / med["transformers"],
-                         "eager_over_transformers": med["eager"] / med["transformers"],
-                         "same_as_transformers": tokens["eager"] == tokens["transformers"]} if i == 0 else {}),
-                     "compiled_same_as_eager": tokens["compiled"] == tokens["eager"], "rounds": tok_s,
-                     "compile_s": compile_s, "compiled_steps_last_run": compiled_steps})
-        print(json.dumps(rows[-1]), flush=True)
+        factory, greedy_tokens = cache_backend(b), None
+        for d in a.decoders:
+            def decoder():  # the int8 self-draft at its defaults (gamma 8), caching through the target's backend
+                return greedy() if d == "greedy" else SpeculativeDecoder(quantized_self(lm, "int8", cache=factory))
+            engines = {m: Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory), decoder(), compile=c)
+                       for m, c in (("eager", False), ("compiled", True))}
+            with_hf = i == 0 and d == "greedy"
+            tok_s, tokens, compile_s, compiled_steps = {"eager": [], "compiled": [], "transformers": []}, {}, 0.0, 0
+            for _ in range(a.rounds):
+                for m, e in engines.items():
+                    r = e.run([Request(p, a.new, 0.0, j) for j, p in enumerate(prompts)])
+                    tok_s[m].append(sum(len(x.tokens) for x in r.requests) / r.wall_s)
+                    tokens[m] = [x.tokens for x in r.requests]
+                    if m == "compiled":
+                        compile_s, compiled_steps = max(compile_s, r.compile_s), r.compiled_steps
+                if with_hf:
+                    h = hf_generate_batch(hf, prompts, [a.new] * len(prompts))
+                    tok_s["transformers"].append(sum(map(len, h["tokens"])) / h["wall_s"])
+                    tokens["transformers"] = h["tokens"]
+            if d == "greedy":
+                greedy_tokens = tokens["eager"]
+            med = {m: statistics.median(v) for m, v in tok_s.items() if v}
+            rows.append({"backend": b, "decoder": d, "output_tok_s": med,
+                         "compiled_over_eager": med["compiled"] / med["eager"],
+                         **({"compiled_over_transformers": med["compiled"] / med["transformers"],
+                             "eager_over_transformers": med["eager"] / med["transformers"],
+                             "same_as_transformers": tokens["eager"] == tokens["transformers"]} if with_hf else {}),
+                         "compiled_same_as_eager": tokens["compiled"] == tokens["eager"],
+                         **({"same_as_greedy_engine": tokens["eager"] == greedy_tokens}
+                            if d != "greedy" and greedy_tokens is not None else {}),
+                         "rounds": tok_s, "compile_s": compile_s, "compiled_steps_last_run": compiled_steps})
+            print(json.dumps(rows[-1]), flush=True)
     cond = {**run_conditions(lm.model), "requests": a.requests, "rows": a.rows, "new_tokens": a.new,
             "prompt_tokens": [len(p) for p in prompts]}
     print(json.dumps({"conditions": cond}))

@@ -292,8 +292,9 @@ def test_generate_compiled_with_inductor(tiny_llama, backend):
 def test_generate_compile_refusals(tiny_llama):
     """compile=True with a cache that has no fixed-shape plan, or a decoder that declares
     no step that compiles: refused before any forward, the fix named. A speculative
-    decoder verifies eagerly, so its target cache need not compile: prompt lookup (no
-    model step to compile) on such a cache runs, token-identical to compile=False."""
+    decoder verifies eagerly where its target cache plans no compiled step, so that cache
+    need not compile: prompt lookup (no model step to compile) on such a cache runs,
+    token-identical to compile=False, and nothing is compiled."""
     from decodelab.decoding.drafters import PromptLookupDrafter
     from decodelab.decoding.speculative import SpeculativeDecoder
 

@@ -398,11 +398,41 @@ def test_a_compiled_engine_serves_the_same_tokens(tiny_models, alone, name, back
     assert 0 < r.compiled_steps < r.steps and r.compile_s > 0  # full-batch decode steps compiled, the rest eager
 
 
+@pytest.mark.parametrize("draft", ["prompt-lookup", "int8-self"])
+@pytest.mark.parametrize("backend", ["dense", "paged", "int4", "sliding", "sliding-imposed"])
+def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alone, draft, backend, monkeypatch):
+    """compile=True with a speculative decoder of a fixed gamma: a round in which every row
+    verifies (and no prefill chunk shares the forward) verifies through the compiled step of
+    gamma + 1 tokens (`VerifyForward`), the int8 self-draft drafts through its compiled
+    one-token step; every request's output is still its greedy output alone, on every
+    backend. Through dynamo's `eager` backend (test_compiled.py runs inductor)."""
+    import decodelab.decoding.compiled as compiled
+    import decodelab.decoding.drafters as drafters
+    from decodelab.decoding.drafters import prompt_lookup, quantized_self
+
+    eager_compile = functools.partial(compiled.compiled_step, backend="eager")
+    monkeypatch.setattr(compiled, "compiled_step", eager_compile)
+    monkeypatch.setattr(drafters, "compiled_step", eager_compile)
+    lm = tiny_models["llama"]
+    prompts, expected = alone["llama", backend]
+    factory = functools.partial(INT4, rollback=3) if backend == "int4" else SERVING[backend]
+    drafter = prompt_lookup() if draft == "prompt-lookup" else quantized_self(lm, "int8", cache=factory)
+    decoder = SpeculativeDecoder(drafter, gamma=3)
+    assert decoder.verify_tokens == 4
+    r = serve(lm.model, cache_for(lm.model, 3, 80, factory), decoder, requests(prompts, 0.005), token_budget=16,
+              compile=True)
+    assert [x.tokens for x in r.requests] == expected
+    assert 0 < r.compiled_steps < decoder.stats["target_calls"] and r.compile_s > 0  # some verifies compiled
+    if draft == "int8-self":
+        assert drafter.static is not None  # the draft's one-token steps compiled too
+
+
 def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):
     m = tiny_models["llama"].model
     from decodelab.decoding.drafters import prompt_lookup
 
-    with pytest.raises(SetupError, match="compile=True in the engine compiles plain decode steps; SpeculativeDecoder"):
-        Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2), compile=True)
+    with pytest.raises(SetupError, match="compile=True in the engine compiles steps of a fixed number of tokens; "
+                                         "SpeculativeDecoder.*adaptive=True"):
+        Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2, adaptive=True), compile=True)
     with pytest.raises(SetupError, match="compile must be true or false, got 'yes'"):
         Engine(m, cache_for(m, 2, 64), greedy(), compile="yes")

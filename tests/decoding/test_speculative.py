@@ -251,14 +251,23 @@ def test_quantized_self_draft_is_lossless(tiny_llama, weights):
 
 @pytest.fixture
 def eager_draft_compile(monkeypatch):
-    """Drafters' compiled steps through dynamo's `eager` backend: the same whole-graph trace
-    (a graph break is an error) without inductor's C++ build (test_compiled.py runs that)."""
+    """Drafters' compiled steps and the compiled verify through dynamo's `eager` backend: the
+    same whole-graph trace (a graph break is an error) without inductor's C++ build
+    (test_compiled.py runs that). Yields the compiled verifies generate built."""
     import functools
+    import importlib
 
+    import decodelab.decoding.compiled as compiled
     import decodelab.decoding.drafters as drafters_module
 
-    monkeypatch.setattr(drafters_module, "compiled_step",
-                        functools.partial(drafters_module.compiled_step, backend="eager"))
+    generate_module = importlib.import_module("decodelab.decoding.generate")  # (the package exports the function)
+    eager = functools.partial(compiled.compiled_step, backend="eager")
+    monkeypatch.setattr(drafters_module, "compiled_step", eager)
+    monkeypatch.setattr(compiled, "compiled_step", eager)  # (compiled_verify's)
+    made = []
+    monkeypatch.setattr(generate_module, "compiled_verify",
+                        lambda *a: made.append(compiled.compiled_verify(*a)) or made[-1])
+    return made
 
 
 @pytest.mark.parametrize("backend", ["dense", "paged", "int4"])
@@ -287,12 +296,14 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
         builders["int8-self"] = lambda c: quantized_self(tiny, "int8", cache=draft_cache, compile=c)
     for name, build in builders.items():
         runs = [generate(m, cache(), SpeculativeDecoder(build(c), gamma=3), prompts, 20) for c in (False, True)]
-        # the run's compile=True compiles an uncompiled drafter's steps (the verify stays eager)
+        # the run's compile=True compiles an uncompiled drafter's steps and the verify of gamma + 1
         runs.append(generate(m, cache(), SpeculativeDecoder(build(False), gamma=3), prompts, 20, compile=True))
         assert runs[0].tokens == runs[1].tokens == runs[2].tokens == plain.tokens, name
         assert runs[1].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"], name
         assert runs[2].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"], name
         assert runs[1].compile_s > 0 and runs[2].compile_s > 0 and runs[0].compile_s == 0.0
+        verify = eager_draft_compile[-1]  # this run's compiled verify: it verified the full rounds
+        assert verify is not None and verify.static.tokens == 4 and verify.steps > 0
 
 
 def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, eager_draft_compile):
