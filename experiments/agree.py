@@ -298,7 +298,8 @@ def write_outputs(out_dir: Path, header: dict, rows: list[dict], per_prompt: dic
     out_dir.mkdir(parents=True, exist_ok=True)
     md = f"# Agreement matrix\n\n{_header_line(header)}\n\n{markdown(rows)}"
     (out_dir / "agree.md").write_text(md)
-    return [harness.write_jsonl(out_dir / harness.RESULTS, records(header, rows, per_prompt, harness.run_id("agree"))), out_dir / "agree.md"]
+    recs = records(header, rows, per_prompt, harness.run_id("agree"))
+    return [harness.write_jsonl(out_dir / harness.RESULTS, recs), out_dir / "agree.md"]
 
 
 def _header_line(h: dict) -> str:

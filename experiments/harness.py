@@ -77,8 +77,8 @@ def run_conditions(model=None) -> dict:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            **versions}
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, **versions}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         cond |= {"sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1),

@@ -10,8 +10,8 @@ from scipy import stats
 from decodelab.decoding import generate, greedy
 from decodelab.decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
-from decodelab.decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup, overlap,
-                                  rejection_sample)
+from decodelab.decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup,
+                                            overlap, rejection_sample)
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import random_model
 from tests.conftest import TINY, cache_for, random_ids

@@ -66,8 +66,8 @@ def matrix(out: Path) -> dict | None:
 
 
 def cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "decodelab.experiments.agree", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "decodelab.experiments.agree", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
 def rows(doc: dict) -> dict[str, dict]:
