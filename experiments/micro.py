@@ -311,12 +311,13 @@ def _ppl_systems(cfg, lm, hf) -> dict:
     """(name, weights, cache) -> chunk_logits (experiments/perplexity.py) of each system
     `perplexity` measures, transformers' fp32 first (where `hf` is given)."""
     from decodelab.experiments import perplexity as ppl
-    from decodelab.models.quantize import quantize_weights
+    from decodelab.models.quantize import WeightOptions
 
     caches = {c: _ppl_cache(cfg, c) for c in cfg.ppl_caches}
     systems = {("transformers-fp32", "fp32", "transformers"): ppl.transformers_one_pass(hf)} if hf is not None else {}
     for w in ["fp32", *cfg.ppl_weights]:
-        m = lm.model if w == "fp32" else quantize_weights(lm.model, w, group_size=cfg.weight_group_size)
+        g = cfg.weight_group_size if w == "int4" else None  # (int8: a scale per output channel)
+        m = lm.model if w == "fp32" else WeightOptions(w, g).apply(lm.model)
         systems |= {(f"ours-{w}-{c}", w, c): ppl.ours(m, f, cfg.ppl_chunk) for c, f in caches.items()}
     if hf is not None and cfg.ppl_anchors:
         systems |= {(f"transformers-quanto-{w}", w, "transformers"): ppl.transformers_one_pass(hf_quanto(hf, w))

@@ -173,7 +173,7 @@ def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "greedy"})
     assert bench_module.describe(greedy_compiled)["name"] == "dense/greedy (compiled)"
     head = config(*[o for o in TINY if not o.startswith("draft.")], "decoder=speculative", "draft=int8-self",
-                  "draft.quantize_head=true", "draft.compile=true")
+                  "draft.weights.quantize_head=true", "draft.compile=true")
     monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "speculative",
                                                           "draft": "int8-self"})
     assert bench_module.describe(head)["draft"] == "int8-self+head (compiled)"  # a quantized head: named apart
