@@ -23,7 +23,7 @@ import xxhash  # declared in pyproject (the converted-weights checksums)
 from decodelab.models.config import ModelConfig, from_hf_config
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.paths import cache_root  # re-exported: callers import it from here
-from decodelab.models.quantize import WeightOptions
+from decodelab.models.quantize import WeightOptions, option_problems
 from decodelab.models.transformer import Transformer
 from decodelab.models.weights import from_hf_state
 
@@ -137,7 +137,6 @@ def model_option_problems(weights: WeightOptions | dict | str = "none", matmul: 
     models/quantize.py) and `matmul` (models.matmul.IMPLS) for a model of `dtype` on
     `device`; `key` names the options in the messages (`model`, `draft.model`)."""
     from decodelab.models.matmul import impl_problems
-    from decodelab.models.quantize import option_problems
 
     p = option_problems(weights, f"{key}.weights")
     try:

@@ -266,7 +266,6 @@ class WeightOptions:
         return q.eval()
 
 
-
 def option_problems(value, key: str = "model.weights") -> list[str]:
     """Every problem of a weights option as given (a kind, a mapping of fields, a
     WeightOptions), before any model is known, each naming its key under `key`."""
@@ -282,6 +281,7 @@ def kind_of(value) -> str | None:
         return WeightOptions.of(value).kind
     except SetupError:
         return None
+
 
 class QuantProj(nn.Module):
     """A projection y = x @ W (+ b) whose W is held as quanto's int8 or int4 codes and
