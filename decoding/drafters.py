@@ -23,6 +23,7 @@ from decodelab.decoding.prefill import prefill
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs, sample
 from decodelab.decoding.text import make_cache
 from decodelab.models.errors import SetupError
+from decodelab.models.quantize import WeightOptions
 
 
 class EarlyExit(torch.nn.Module):
@@ -259,20 +260,17 @@ def early_exit(target, layers: int, cache=DenseCache, compile: bool = False, gam
                         gamma=gamma)
 
 
-def quantized_self(target, weights: str = "int8", cache=DenseCache, group_size: int | None = None,
-                   quantize_head: bool = False, allow_slow: bool = False, compile: bool = False,
-                   weight_kernel: str = "auto", weight_prefill_dtype: str = "auto",
+def quantized_self(target, weights: WeightOptions | dict | str = "int8", cache=DenseCache, compile: bool = False,
                    gamma: int | None = None) -> ModelDrafter:
     """The target with weight-only int8/int4 weights (quanto's quantizers, fast kernels:
     models/quantize.py) as its own draft; the target keeps its own precision, so greedy
-    speculative output stays the target's. `gamma`: the decoder's lookahead where it sets
-    none; None: `BEST_GAMMA` of these weights."""
-    from decodelab.models.quantize import quantize_weights
-
-    draft = quantize_weights(target.model, weights, group_size=group_size, quantize_head=quantize_head,
-                             allow_slow=allow_slow, kernel=weight_kernel, prefill_dtype=weight_prefill_dtype)
-    return ModelDrafter(draft, cache, name=f"self-{weights}", compile=compile,
-                        gamma=BEST_GAMMA.get(weights, 4) if gamma is None else gamma)
+    speculative output stays the target's. `weights`: the draft's `WeightOptions` (or a
+    kind, `"int4"`, or a mapping of its fields); `gamma`: the decoder's lookahead where it
+    sets none; None: `BEST_GAMMA` of these weights."""
+    w = WeightOptions.of(weights, "draft.weights")
+    draft = w.apply(target.model, key="draft.weights")
+    return ModelDrafter(draft, cache, name=f"self-{w.kind}", compile=compile,
+                        gamma=BEST_GAMMA.get(w.kind, 4) if gamma is None else gamma)
 
 
 #: the quantized self-drafts' best measured lookahead, the decoder's gamma where none is given

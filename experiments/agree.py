@@ -31,6 +31,7 @@ from decodelab.experiments import harness
 from decodelab.experiments.cli import has_key
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, instantiate_unwrapped
+from decodelab.models.quantize import WeightOptions
 from decodelab.models.reference import hf_model_for
 
 log = logging.getLogger("decodelab.agree")
@@ -134,16 +135,13 @@ def check_all(cfg: DictConfig, overrides: list[str]) -> dict[str, DictConfig]:
         composed[name], p = _setup_problems(name, groups, values)
         reasons += p
     own_weights = [n for n in composed if _sets_weights(n)]
-    for o in values:  # the command line's weight options would replace what those setups quantize
-        key = o.key_or_group
-        k = key[len("model."):] if key.startswith("model.") else None
-        if not own_weights or k not in WEIGHT_KEYS:
-            continue
-        setting = [n for n in own_weights if _sets_weights(n, k)]
-        if k in HOW_KEYS and not setting:
+    for line, field in _weight_overrides(groups, values) if own_weights else ():
+        # the command line's weight options would replace what those setups quantize
+        setting = [n for n in own_weights if _sets_weights(n, field)]
+        if field in HOW_FIELDS and not setting:
             continue  # how those setups' weights compute, which they leave open (the reference is not quantized)
-        reasons.append(f"{o.input_line}: setups {setting or own_weights} choose their own weights, which this would "
-                       "replace" + ("" if k in HOW_KEYS else " (and it would quantize the reference too)")
+        reasons.append(f"{line}: setups {setting or own_weights} choose their own weights, which this would "
+                       "replace" + ("" if field in HOW_FIELDS else " (and it would quantize the reference too)")
                        + "; drop it, or leave those setups out")
     for o in values:  # a plain key=value Hydra has already matched against agree's own groups
         added = o.is_add() or o.is_force_add()
@@ -166,43 +164,49 @@ def build_all(composed: dict[str, DictConfig], lm) -> dict[str, tuple]:
     return built
 
 
-#: the model options that quantize weights: a setup (conf/setup/int8-weights.yaml) may set them
-WEIGHT_KEYS = ("weights", "weight_group_size", "quantize_head", "allow_slow", "weight_kernel", "weight_prefill_dtype")
-#: of those, the ones that say how the quantized weights compute, not what they are: the
-#: command line may set them for the setups that leave them open
-HOW_KEYS = ("weight_kernel", "weight_prefill_dtype")
+#: the fields of the target's weights (`model.weights`, models.quantize.WeightOptions) that say
+#: how the quantized weights compute, not what they are: the command line may set them for
+#: the setups that leave them open
+HOW_FIELDS = ("kernel", "prefill_dtype")
 
 
-def _weights_of(model_cfg) -> dict:
-    return {k: model_cfg.get(k) for k in WEIGHT_KEYS}
+def _weight_overrides(groups: list[str], values: list) -> list[tuple[str, str | None]]:
+    """(override, the `model.weights` field it sets; None: all of them) of each override of
+    the target's weights on the command line: `weights=<preset>` (conf/weights/),
+    `model.weights=...`, `model.weights.FIELD=...`."""
+    out = [(g, None) for g in groups if g.partition("=")[0].lstrip("+~") == "weights"
+           and g.partition("=")[2] not in ("null", "")]
+    for o in values:
+        key = o.key_or_group
+        if key == "model.weights" or key.startswith("model.weights."):
+            out.append((o.input_line, key.removeprefix("model.weights").removeprefix(".") or None))
+    return out
 
 
-def _sets_weights(name: str, key: str | None = None) -> bool:
+def _weights_of(model_cfg) -> WeightOptions:
+    return WeightOptions.of(model_cfg.get("weights"))
+
+
+def _sets_weights(name: str, field: str | None = None) -> bool:
     """Whether conf/setup/<name>.yaml sets weight options of its own (int8-weights, ...);
-    with `key`, that one."""
-    model = OmegaConf.load(CONF_DIR / "setup" / f"{name}.yaml").get("model") or {}
-    return any(k in model for k in ([key] if key else WEIGHT_KEYS))
+    with `field`, that field of `model.weights`."""
+    weights = (OmegaConf.load(CONF_DIR / "setup" / f"{name}.yaml").get("model") or {}).get("weights")
+    return weights is not None and (field is None or not OmegaConf.is_dict(weights) or field in weights)
 
 
 def setup_models(cfg: DictConfig, composed: dict[str, DictConfig], lm) -> dict:
     """name -> the setup's target: the loaded model, or, for a setup whose weight options
     differ from the loaded model's (a quantized-weights setup), a copy quantized as it
     asks (one copy per distinct options); the reference stays the loaded model."""
-    from decodelab.models.quantize import quantize_weights
-
     base, copies, out = _weights_of(cfg.model), {}, {}
     for name, scfg in composed.items():
         w = _weights_of(scfg.model)
         if w == base:
             out[name] = lm.model
             continue
-        key = tuple(w.items())
-        if key not in copies:
-            copies[key] = quantize_weights(lm.model, w["weights"] or "none", group_size=w["weight_group_size"],
-                                           quantize_head=bool(w["quantize_head"]), allow_slow=bool(w["allow_slow"]),
-                                           kernel=w["weight_kernel"] or "auto",
-                                           prefill_dtype=w["weight_prefill_dtype"] or "auto")
-        out[name] = copies[key]
+        if w not in copies:  # one copy per distinct options (a WeightOptions is hashable)
+            copies[w] = w.apply(lm.model)
+        out[name] = copies[w]
     return out
 
 
@@ -298,7 +302,8 @@ def write_outputs(out_dir: Path, header: dict, rows: list[dict], per_prompt: dic
     out_dir.mkdir(parents=True, exist_ok=True)
     md = f"# Agreement matrix\n\n{_header_line(header)}\n\n{markdown(rows)}"
     (out_dir / "agree.md").write_text(md)
-    return [harness.write_jsonl(out_dir / harness.RESULTS, records(header, rows, per_prompt, harness.run_id("agree"))), out_dir / "agree.md"]
+    recs = records(header, rows, per_prompt, harness.run_id("agree"))
+    return [harness.write_jsonl(out_dir / harness.RESULTS, recs), out_dir / "agree.md"]
 
 
 def _header_line(h: dict) -> str:

@@ -38,6 +38,7 @@ from decodelab.experiments.report import read_results
 from decodelab.models.reference import hf_generate_timed, hf_model_for
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import instantiate_unwrapped
+from decodelab.models.quantize import WeightOptions, kind_of
 
 log = logging.getLogger("decodelab.bench")
 RESULTS = harness.RESULTS
@@ -54,8 +55,8 @@ def check(cfg: DictConfig):
         reasons += [f"compare_transformers {why}" for ok, why in (
             (cfg.batch_size == 1, "times transformers' generate() one prompt at a time: use batch_size=1"),
             (lossless, "compares against transformers' greedy output: use a decoder at temperature 0"),
-            (cfg.model.get("weights", "none") == "none", "runs transformers at full precision: use "
-                                                             "model.weights=none")) if not ok]
+            (kind_of(cfg.model.get("weights")) in ("none", None), "runs transformers at full precision: use "
+                                                                   "model.weights.kind=none")) if not ok]
     return harness.gather(lambda: raise_if(reasons), lambda: harness.check(cfg),
                           lambda: instantiate_unwrapped(cfg.workload))[-1]
 
@@ -81,13 +82,13 @@ def describe(cfg: DictConfig) -> dict:
     cache, decoder = ch.get("cache", cfg.cache._target_), ch.get("decoder", cfg.decoder._target_)
     decoder += " (compiled)" if cfg.get("compile") else ""  # the step compiled: a setup of its own
     draft, opts = (ch.get("draft") if spec else None), cfg.get("draft") or {}
-    if draft and opts.get("quantize_head"):
+    if draft and WeightOptions.of(opts.get("weights")).quantize_head:
         draft += "+head"  # a quantized self-draft with its LM head quantized too: a draft of its own
     mods = ["compiled"] * bool(opts.get("compile")) + [f"{opts.get('cache')} cache"] * bool(opts.get("cache"))
     if draft and mods:  # a compiled step / a cache of its own: a draft of its own
         draft += f" ({', '.join(mods)})"
     return {"name": cfg.setup_name or f"{cache}/{decoder}" + (f"/{draft}" if spec else ""),
-            "model": cfg.model.get("name") or ch.get("model"), "weights": cfg.model.get("weights", "none"),
+            "model": cfg.model.get("name") or ch.get("model"), "weights": kind_of(cfg.model.get("weights")),
             "cache": cache, "decoder": decoder, "needs_drafter": spec,
             "draft": draft, "gamma": cfg.decoder.get("gamma") if spec else None,
             "workload": ch.get("workload"), "experiment": ch.get("experiment")}

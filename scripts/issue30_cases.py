@@ -95,7 +95,7 @@ def main() -> None:
         (cache / "converted" / d.name).symlink_to(d)
     env = {"DECODELAB_CACHE": str(cache)}
     os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # torch's compile cache: under the temporary cache
-    int8 = f"{GEN} model=smollm2-135m model.weights=int8 {ASK}"
+    int8 = f"{GEN} model=smollm2-135m weights=int8 {ASK}"
     comp = f"{GEN} model=smollm2-135m compile=true {ASK}"
 
     # 1. the native kernel library damaged; the must-show 2 comparison with the text before
@@ -103,7 +103,7 @@ def main() -> None:
     basec = text(sh("1. fp32 compile=true (the reference)", comp, env))
     for how, label in (("random", "4 KiB random at 80,000"), ("truncate", "truncated to 1,000 B")):
         for name, cmd, want in (("int8", int8, base8), ("compile=true", comp, basec),
-                                ("int8 weight_kernel=native", f"{int8} model.weight_kernel=native", base8)):
+                                ("int8 weights.kernel=native", f"{int8} model.weights.kernel=native", base8)):
             damage(kernel_library(cache), how)
             p = sh(f"1. {name}, library {label}", cmd, env)
             ROWS[-1] = (*ROWS[-1][:3], ROWS[-1][3] + f" [same text as before the damage: {text(p) == want}]")
@@ -115,12 +115,12 @@ def main() -> None:
                         shell=True, capture_output=True)
     if ro.returncode == 0:
         try:
-            sh("silent: read-only damaged library, weight_kernel=auto", int8, env)
-            sh("silent: read-only damaged library, weight_kernel=native", f"{int8} model.weight_kernel=native", env)
+            sh("silent: read-only damaged library, weights.kernel=auto", int8, env)
+            sh("silent: read-only damaged library, weights.kernel=native", f"{int8} model.weights.kernel=native", env)
         finally:
             subprocess.run(f"umount {lib.parent}", shell=True)
-    sh("silent: no compiler (CC=/nonexistent/cc), weight_kernel=auto", int8, {**env, "CC": "/nonexistent/cc"})
-    sh("silent: the summary names the kernel", f"{GEN} model=smollm2-135m model.weights=int8 prompt=Hi "
+    sh("silent: no compiler (CC=/nonexistent/cc), weights.kernel=auto", int8, {**env, "CC": "/nonexistent/cc"})
+    sh("silent: the summary names the kernel", f"{GEN} model=smollm2-135m weights=int8 prompt=Hi "
        "chat_template=false max_new_tokens=4", env)
 
     # must-show 3: two processes at once on an empty kernels folder

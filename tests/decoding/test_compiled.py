@@ -346,10 +346,11 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
     graph break is an error) and equals the eager loop token for token, at batch 1 and at
     a batch of more rows than the eager forward sends to the kernels (which a compiled
     step still sends to them; int8, whose kernel computes what the dequantized product does)."""
-    from decodelab.models.quantize import quantize_weights
+    from decodelab.models.quantize import WeightOptions
 
     # (fp32 many-row products: the eager 33-row steps must compute what the kernel does)
-    model = quantize_weights(tiny_llama.model, weights, quantize_head=True, kernel="native", prefill_dtype="float32")
+    opts = WeightOptions(weights, quantize_head=True, kernel="native", prefill_dtype="float32")
+    model = opts.apply(tiny_llama.model)
     assert model.weight_quantization["kernels"] == [f"native-{weights}"]
     want = _gen(model, None, greedy(), False, n=12)
     got = _gen(model, None, greedy(), True, n=12)

@@ -10,8 +10,8 @@ from scipy import stats
 from decodelab.decoding import generate, greedy
 from decodelab.decoding.drafters import EarlyExit, ModelDrafter, PromptLookupDrafter
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
-from decodelab.decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup, overlap,
-                                  rejection_sample)
+from decodelab.decoding.speculative import (SpeculativeDecoder, SpeculativeStats, greedy_accept, leviathan_speedup,
+                                            overlap, rejection_sample)
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import random_model
 from tests.conftest import TINY, cache_for, random_ids
@@ -280,7 +280,7 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
     from decodelab.cache.dense import DenseCache
     from decodelab.cache.paged import PagedCache
     from decodelab.decoding.drafters import early_exit, quantized_self
-    from decodelab.models.quantize import weight_problems
+    from decodelab.models.quantize import WeightOptions
 
     m = tiny.model
     from decodelab.cache.int4 import QuantizedCache
@@ -292,7 +292,7 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
     plain = generate(m, cache(), greedy(), prompts, 20)
     draft_cache = factory or DenseCache  # the draft caches through the target's backend, as setups build it
     builders = {"early-exit": lambda c: early_exit(tiny, 1, cache=draft_cache, compile=c)}
-    if not weight_problems(m.cfg, "int8"):  # a family whose shapes the int8 kernel takes
+    if not WeightOptions("int8").problems_for(m.cfg):  # a family whose shapes the int8 kernel takes
         builders["int8-self"] = lambda c: quantized_self(tiny, "int8", cache=draft_cache, compile=c)
     for name, build in builders.items():
         runs = [generate(m, cache(), SpeculativeDecoder(build(c), gamma=3), prompts, 20) for c in (False, True)]

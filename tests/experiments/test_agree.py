@@ -66,8 +66,8 @@ def matrix(out: Path) -> dict | None:
 
 
 def cli(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "decodelab.experiments.agree", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "decodelab.experiments.agree", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
 def rows(doc: dict) -> dict[str, dict]:
@@ -163,21 +163,24 @@ def test_quantized_weight_setups_are_judged_against_the_fp32_reference(tmp_path)
     assert code == (0 if all(x["passed"] for x in doc["rows"]) else 1)
 
 
-def test_command_line_weights_cannot_replace_a_weights_setups_own(tmp_path, capsys, monkeypatch):
-    """model.weights=... on the command line would relabel what int4-weights measures and
-    quantize the reference: refused before the weights load, the fix named."""
+@pytest.mark.parametrize("override", ["model.weights=int8", "weights=int8", "model.weights.kind=int8",
+                                      "model.weights.group_size=32"])
+def test_command_line_weights_cannot_replace_a_weights_setups_own(tmp_path, capsys, monkeypatch, override):
+    """The target's weights on the command line (a kind, a conf/weights preset, a field of
+    what they are) would relabel what int4-weights measures and quantize the reference:
+    refused before the weights load, the fix named."""
     import decodelab.models.loading as loading
 
     monkeypatch.setattr(loading, "random_model", lambda *a, **k: pytest.fail("weights were loaded"))
-    code, _ = agree(tmp_path, *TINY_LLAMA, "model.weights=int8", "setups=[dense,int4-weights]")
+    code, _ = agree(tmp_path, *TINY_LLAMA, override, "setups=[dense,int4-weights]")
     assert code == 2
     err = capsys.readouterr().err
-    assert "model.weights=int8: setups ['int4-weights'] choose their own weights" in err
+    assert f"{override}: setups ['int4-weights'] choose their own weights" in err
     assert "leave those setups out" in err
 
 
 def test_command_line_says_how_a_weights_setups_weights_compute(tmp_path, monkeypatch):
-    """model.weight_prefill_dtype / weight_kernel: how the quantized copies compute, which
+    """model.weights.prefill_dtype / .kernel: how the quantized copies compute, which
     the weights setups leave open: the command line sets them for those copies (the
     reference stays fp32)."""
     import decodelab.experiments.agree as agree_mod
@@ -192,7 +195,8 @@ def test_command_line_says_how_a_weights_setups_weights_compute(tmp_path, monkey
 
     monkeypatch.setattr(agree_mod, "setup_models", spy)
     code, doc = agree(tmp_path, *TINY_LLAMA, "workload.lengths=[40]", "forced_tokens=8", "free_tokens=2",
-                      "model.weight_prefill_dtype=bfloat16", "model.weight_kernel=torch", "setups=[dense,int8-weights]")
+                      "model.weights.prefill_dtype=bfloat16", "model.weights.kernel=torch",
+                      "setups=[dense,int8-weights]")
     assert code in (0, 1) and rows(doc)["dense"]["max_abs_dlogit"] <= 1e-4  # the reference is not quantized
     assert [(w["prefill_dtype"], w["kernel"]) for w in made] == [("bfloat16", "torch")]
 

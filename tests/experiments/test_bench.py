@@ -128,15 +128,17 @@ def config(*overrides: str):
 
 
 def test_batch_rows_and_side_by_side_greedy(tmp_path, prompts):
-    cfg = config(*[a for a in TINY if not a.startswith("draft.")], "workload=jsonl", f"workload.path={prompts}", "max_new_tokens=8", "batch_size=2",
-                 "decoder=speculative", "draft=prompt-lookup", "compare_greedy=true", "cache=paged")
+    cfg = config(*[a for a in TINY if not a.startswith("draft.")], "workload=jsonl", f"workload.path={prompts}",
+                 "max_new_tokens=8", "batch_size=2", "decoder=speculative", "draft=prompt-lookup",
+                 "compare_greedy=true", "cache=paged")
     s = run(cfg, tmp_path)
     recs = [json.loads(x) for x in (tmp_path / RESULTS).read_text().splitlines()[:-1]]
     assert [r["prompt_id"] for r in recs] == ["prompts-0", "prompts-1"]
     assert all(r["greedy"]["identical"] for r in recs)  # greedy speculative == greedy, row by row
     m = s["metrics"]
     assert m["greedy_identical"] == 1.0 and m["speedup_vs_greedy"] > 0 and m["c_verify"] > 0
-    assert s["conditions"]["batch"] == 2 and s["setup"]["cache"] == "decodelab.cache.paged.PagedCache"  # not under Hydra: the target
+    # not under Hydra: the target
+    assert s["conditions"]["batch"] == 2 and s["setup"]["cache"] == "decodelab.cache.paged.PagedCache"
 
 
 def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
@@ -171,7 +173,7 @@ def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "greedy"})
     assert bench_module.describe(greedy_compiled)["name"] == "dense/greedy (compiled)"
     head = config(*[o for o in TINY if not o.startswith("draft.")], "decoder=speculative", "draft=int8-self",
-                  "draft.quantize_head=true", "draft.compile=true")
+                  "draft.weights.quantize_head=true", "draft.compile=true")
     monkeypatch.setattr(bench_module, "choices", lambda: {"cache": "dense", "decoder": "speculative",
                                                           "draft": "int8-self"})
     assert bench_module.describe(head)["draft"] == "int8-self+head (compiled)"  # a quantized head: named apart

@@ -301,7 +301,7 @@ def test_spec_gamma_part_grid_against_greedy_beside_each_drafter(tmp_path, monke
                 "steps must be an integer >= 2", "drafts: 'model' takes a model of its own"):
         assert msg in str(e.value)
     with pytest.raises(SetupError, match="quantizes the target, but the target is quantized already"):
-        micro(tmp_path, "part=spec_gamma", "drafts=[int8-self]", "model.weights=int8")
+        micro(tmp_path, "part=spec_gamma", "drafts=[int8-self]", "model.weights.kind=int8")
 
 
 def test_spec_gamma_records_the_quartiles_of_its_per_prompt_speedups(tmp_path, monkeypatch):

@@ -136,7 +136,7 @@ def test_bad_options_are_refused_before_loading(monkeypatch):
     assert impl_problems("mkl") == ["matmul must be one of ['auto', 'reference', 'onednn'], got 'mkl'"]
     with pytest.raises(SetupError) as e:
         load("smollm2-135m", matmul="mkl", weights="int3")  # fails before the GGUF is touched
-    assert e.value.reasons == ["model.weights must be one of ['none', 'int8', 'int4'], got 'int3'",
+    assert e.value.reasons == ["model.weights.kind must be one of ['none', 'int8', 'int4'], got 'int3'",
                                "model.matmul must be one of ['auto', 'reference', 'onednn'], got 'mkl'"]
     with pytest.raises(SetupError, match="serves float32 models on a CPU.*use model.matmul=auto"):
         random_model(TINY["llama"], device="cpu", dtype="bfloat16", matmul="onednn")
@@ -159,11 +159,15 @@ def test_setup_check_covers_target_and_draft_model_options():
             harness.check(cfg)
         return e.value.reasons
 
-    r = reasons("model.matmul=mkl", "decoder=speculative", "draft=model", "draft.model.weights=int3")
+    r = reasons("model.matmul=mkl", "decoder=speculative", "draft=model", "draft.model.weights.kind=int3")
     assert any(x.startswith("model.matmul must be one of") for x in r)
-    assert any(x.startswith("draft.model.weights must be one of") for x in r)
-    r = reasons("model=tiny-llama", "model.weights=int8", "decoder=speculative", "draft=int4-self")
-    assert any("the target is quantized already (model.weights=int8)" in x for x in r)
+    assert any(x.startswith("draft.model.weights.kind must be one of") for x in r)
+    for quantized in ("model.weights.kind=int8", "weights=int8", "model.weights=int8"):  # field, preset, kind alone
+        r = reasons("model=tiny-llama", quantized, "decoder=speculative", "draft=int4-self")
+        assert any("the target is quantized already (model.weights.kind=int8)" in x for x in r)
+    r = reasons("model=tiny-llama", "decoder=speculative", "draft=int4-self", "draft.weights.group_size=0",
+                "draft.weights.kernel=fast")
+    assert {x.split(" must")[0] for x in r} == {"draft.weights.group_size", "draft.weights.kernel"}
 
 
 def test_weights_option_quantizes_the_target():

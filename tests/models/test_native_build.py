@@ -135,10 +135,10 @@ def test_a_fallback_says_so_once(monkeypatch, capsys):
     monkeypatch.setattr(native, "_checked", True)
     monkeypatch.setattr(native, "_problem", "no compiler was found (install gcc and g++)")
     monkeypatch.setattr(native, "_noted", set())
-    from decodelab.models.quantize import weight_kernel
+    from decodelab.models.quantize import WeightOptions
 
-    assert weight_kernel("int8", 64, 64, None, "cpu", "auto")[0] == "_weight_int8pack_mm"
-    assert weight_kernel("int8", 128, 64, None, "cpu", "auto")[0] == "_weight_int8pack_mm"
+    assert WeightOptions("int8").kernel_for(64, 64, "cpu")[0] == "_weight_int8pack_mm"
+    assert WeightOptions("int8").kernel_for(128, 64, "cpu")[0] == "_weight_int8pack_mm"
     err = capsys.readouterr().err
     assert err.count("int8 weights run on torch's kernels") == 1 and "install gcc and g++" in err
 

