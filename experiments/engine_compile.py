@@ -6,6 +6,7 @@ compiled) against the eager engine and transformers' continuous batching
 
     python -c "from decodelab.experiments.engine_compile import main; main()"   # [--backends ...] [--decoders ...]
     python -c "from decodelab.experiments.engine_compile import step_times; step_times()"   # one step, B=1 and 8
+    python -c "from decodelab.experiments.engine_compile import verify_times; verify_times()"  # a verify, B=1
 
 SmolLM2-135M fp32, `--requests` ShareGPT prompts (seed 0, chat template) all at t = 0,
 `--new` tokens each (EOS ignored), `--rows` cache rows; decoders: greedy, and greedy
@@ -121,6 +122,53 @@ def step_times(batches=(1, 8), steps: int = 20, threads: int = 2) -> None:
                     fn()
                 out[name + "_ms"] = 1e3 * (time.perf_counter() - t) / steps
         print(json.dumps({"batch": B, **out}), flush=True)
+
+
+def verify_times(contexts=(53, 200), tokens=(1, 5, 9), steps: int = 15, rounds: int = 3, threads: int = 2) -> None:
+    """One forward of T tokens at batch 1 (a speculative verify's shape) after `contexts`
+    tokens, dense cache: the compiled static step of T tokens against the model's eager
+    forward (oneDNN's multi-row products), rolled back after each; the two alternate
+    `rounds` times, `steps` forwards each after 3 warm-ups; median of the rounds' means."""
+    import time
+
+    import torch
+
+    from decodelab.cache.dense import DenseCache
+    from decodelab.decoding import make_cache, prefill
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.models import load
+
+    torch.set_num_threads(threads)
+    m = load("smollm2-135m", device="cpu").model
+    for ctx in contexts:
+        for T in tokens:
+            ids = torch.full((1, T), 7)
+            static = compiled_step(m, make_cache(m, 1, 512, DenseCache), tokens=T)
+            eager = make_cache(m, 1, 512, DenseCache)
+            for c in (static.cache, eager):
+                prefill(m, c, [[5] * ctx])
+            L = eager.lengths.clone()
+
+            def compiled():
+                static.cache.truncate(L)
+                return static.step(ids)
+
+            def plain():
+                eager.truncate(L)
+                return m(ids, L[:, None] + torch.arange(T), eager)
+
+            ms = {"compiled": [], "eager": []}
+            with torch.no_grad():
+                for _ in range(rounds):
+                    for name, fn in (("compiled", compiled), ("eager", plain)):
+                        for _ in range(3):
+                            fn()
+                        t = time.perf_counter()
+                        for _ in range(steps):
+                            fn()
+                        ms[name].append(1e3 * (time.perf_counter() - t) / steps)
+            print(json.dumps({"context": ctx, "tokens": T, **{k + "_ms": statistics.median(v) for k, v in ms.items()},
+                              "rounds": ms}), flush=True)
 
 
 if __name__ == "__main__":
