@@ -160,8 +160,10 @@ class EngineResult:
     wall_s: float
     preemptions: int = 0
     steps: int = 0
-    compiled_steps: int = 0  # decode steps through the compiled step (`compile=True`)
-    compile_s: float = 0.0  # that step's compile, at the start of the run, before any request's clock
+    compiled_steps: int = 0  # steps through a compiled static step (`compile=True`): decode steps or verify rounds
+    #: compiling at the start of the run, before any request's clock: the static step (compile=True) and a
+    #: draft model's one-token steps (compile=True, or the draft's own `compile`)
+    compile_s: float = 0.0
 
 
 def engine_problems(cache, decoder, token_budget: int, policy: str, max_running: int | None = None,
@@ -205,9 +207,11 @@ def engine_compile_problems(cache, decoder, compile) -> list[str]:
     if decoder.lookahead:
         tokens = getattr(decoder, "verify_tokens", None)
         if not tokens:
-            return [f"compile=True in the engine compiles steps of a fixed number of tokens; {decoder!r} verifies "
-                    "a varying number (adaptive gamma) or returns hidden states: run it with compile=False, or "
-                    "give it a fixed gamma (decoder.adaptive=false)"]
+            why = ("its drafter reads the target's hidden states, which a compiled verify does not return: run it "
+                   "with compile=False" if getattr(decoder, "hidden_layers", ()) else
+                   "it verifies a varying number of tokens (adaptive gamma): give it a fixed gamma "
+                   "(decoder.adaptive=false) or run it with compile=False")
+            return [f"compile=True in the engine compiles steps of a fixed number of tokens; {decoder!r}: {why}"]
     from decodelab.decoding.compiled import static_problems
 
     return [f"compile=True: {r}" for r in static_problems(cache, "compile", tokens)]
@@ -261,19 +265,19 @@ class Engine:
                    for i, r in enumerate(requests)]
         pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
         self.cache.reset()
-        compile_s = 0.0
+        # one placeholder token per row: each request's row is filled when it is admitted (`admit`);
+        # with compile, a draft model's one-token steps are compiled too (its `begin`: a draft cache
+        # that cannot compile is refused there, before the target's step compiles)
+        self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity,
+                           **({"compile": True} if self.compile and self.decoder.lookahead else {}))
+        compile_s = getattr(self.decoder, "compile_s", 0.0)
         if self.compile and self.static is None:  # compiled now (on the emptied cache), not in a request
             from decodelab.decoding.compiled import compiled_step, compiled_verify
 
             t = time.perf_counter()  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
             self.static = compiled_verify(self.model, self.cache, self.decoder) if self.decoder.lookahead else \
                 compiled_step(self.model, self.cache)
-            compile_s = time.perf_counter() - t
-        # one placeholder token per row: each request's row is filled when it is admitted (`admit`);
-        # with compile, a draft model's one-token steps are compiled too (its `begin`)
-        self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity,
-                           **({"compile": True} if self.compile and self.decoder.lookahead else {}))
-        compile_s += getattr(self.decoder, "compile_s", 0.0)
+            compile_s += time.perf_counter() - t
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request
         self._order, timeline, preempted, steps, self._compiled_steps = 0, [], 0, 0, 0

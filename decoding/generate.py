@@ -254,18 +254,18 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
            compile, detokenize) -> Generator[TokenEvent, None, GenerationResult]:
     """The loop of `stream_tokens` (its inputs checked): prefill, then one decoder step
     per round until every row has stopped; the kept tokens' events after each round."""
-    forward, compile_s = {}, 0.0
+    spec = getattr(decoder, "compiles_drafter", False)
+    cache.reset()
+    t_begin = time.perf_counter()
+    # the drafter first: a draft cache that cannot compile is refused before the target's step compiles
+    decoder.begin(model.device, prompts, cache.capacity, **({"compile": True} if compile and spec else {}))
+    forward, compile_s = {}, getattr(decoder, "compile_s", 0.0)  # a drafter's compiled step, compiled in `begin`
     if compile:  # a plain decoder's one-token step; a speculative decoder's verify (where it is fixed)
         t = time.perf_counter()
-        fn = compiled_verify(model, cache, decoder) if getattr(decoder, "compiles_drafter", False) else \
-            compiled_step(model, cache).step
-        forward, compile_s = ({"forward": fn}, time.perf_counter() - t) if fn is not None else ({}, 0.0)
-    t0 = t_start + compile_s if t_start is not None else time.perf_counter()
-    cache.reset()
-    decoder.begin(model.device, prompts, cache.capacity, **({"compile": True} if compile and getattr(
-        decoder, "compiles_drafter", False) else {}))
-    begin_compile = getattr(decoder, "compile_s", 0.0)  # a drafter's compiled step, compiled in `begin`
-    t0, compile_s = t0 + begin_compile, compile_s + begin_compile
+        fn = compiled_verify(model, cache, decoder) if spec else compiled_step(model, cache).step
+        if fn is not None:
+            forward, compile_s = {"forward": fn}, compile_s + time.perf_counter() - t
+    t0 = (t_start if t_start is not None else t_begin) + compile_s  # token times leave every compile out
     rows = _Rows(len(prompts), max_new_tokens, eos, stop, tokenizer, detokenize, t0)
     t_prefill = time.perf_counter()
     layers = tuple(getattr(decoder, "hidden_layers", ()))  # a drafter that reads the target's states

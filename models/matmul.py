@@ -108,11 +108,8 @@ class PackedWeight:
     def __deepcopy__(self, memo) -> "PackedWeight":
         return PackedWeight()  # derived data (and oneDNN's opaque tensors cannot be copied)
 
-    def __getstate__(self) -> dict:
-        return {}  # derived data: an unpickled copy packs afresh
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()
+    def __reduce__(self):
+        return PackedWeight, ()  # derived data: an unpickled copy (any protocol) packs afresh, with its own handle
 
 
 #: the live PackedWeights of the process, by handle (what the traced op carries)
@@ -138,13 +135,20 @@ def _onednn_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
     inductor cannot take as a graph input; its fake gives the output's shape)."""
     packed = _PACKS.get(int(handle))
     if packed is None:
-        raise RuntimeError("a compiled step's oneDNN projection ran after its model's weights were dropped")
+        raise RuntimeError("a compiled step's oneDNN projection ran after its model's weights were dropped or its "
+                           "projections replaced; build a new compiled step for the model as it is now")
     return _linear(x2, packed, w, b, out_in)
 
 
-# registered with the module (under a millisecond, no torch._dynamo import)
-torch.library.custom_op("decodelab::onednn_linear", _onednn_linear, mutates_args=()).register_fake(
-    lambda x2, w, b, out_in, handle: x2.new_empty(x2.shape[0], w.shape[0] if out_in else w.shape[1]))
+def _onednn_linear_fake(x2, w, b, out_in, handle):
+    torch._check(x2.shape[1] == (w.shape[1] if out_in else w.shape[0]),
+                 lambda: f"onednn_linear: {x2.shape[1]} inputs against a weight of shape {tuple(w.shape)}")
+    return x2.new_empty(x2.shape[0], w.shape[0] if out_in else w.shape[1])
+
+
+# registered with the module (under a millisecond, no torch._dynamo import); CPU only
+torch.library.custom_op("decodelab::onednn_linear", _onednn_linear, mutates_args=(),
+                        device_types="cpu").register_fake(_onednn_linear_fake)
 
 
 def _takes_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> bool:

@@ -289,6 +289,26 @@ def test_generate_compiled_with_inductor(tiny_llama, backend):
     assert again.compile_s < first.compile_s / 5
 
 
+def test_a_compiled_verify_through_inductor_equals_the_eager_one(tiny_llama, monkeypatch):
+    """The real thing for a speculative verify: gamma + 1 = 4 tokens per row through
+    inductor's CPU code (oneDNN's products as opaque calls, no size checks of their outputs),
+    prompt lookup so that nothing else compiles; the tokens and acceptance equal the eager
+    verify's, and full rounds did run compiled."""
+    from decodelab.decoding.drafters import prompt_lookup
+    from decodelab.decoding.speculative import SpeculativeDecoder
+
+    g = sys.modules["decodelab.decoding.generate"]
+    made, real = [], g.compiled_verify
+    monkeypatch.setattr(g, "compiled_verify", lambda *a: made.append(real(*a)) or made[-1])
+    model = tiny_llama.model
+    prompts = [random_ids(6, seed=4) * 3, random_ids(9, seed=5)]  # a repetitive row: lookups that hit
+    runs = [_gen(model, None, SpeculativeDecoder(prompt_lookup(), gamma=3), c, prompts, n=16, capacity=64)
+            for c in (False, True)]
+    assert runs[1].tokens == runs[0].tokens
+    assert runs[1].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"]
+    assert made[-1].static.tokens == 4 and made[-1].steps > 0 and runs[1].compile_s > 0
+
+
 def test_generate_compile_refusals(tiny_llama):
     """compile=True with a cache that has no fixed-shape plan, or a decoder that declares
     no step that compiles: refused before any forward, the fix named. A speculative

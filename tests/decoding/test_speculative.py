@@ -318,6 +318,10 @@ def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, 
     d = quantized_self(tiny_llama, "int8", cache=NoStaticStorage, compile=True)
     with pytest.raises(SetupError, match="draft self-int8: the NoStaticStorage backend cannot give a fixed-shape"):
         generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d, gamma=2), [random_ids(8, seed=3)], 4)
+    d = quantized_self(tiny_llama, "int8", cache=NoStaticStorage)  # the run's compile=True compiles it
+    with pytest.raises(SetupError, match="draft self-int8: the NoStaticStorage backend"):
+        generate(m, cache_for(m, 1, 40), SpeculativeDecoder(d, gamma=2), [random_ids(8, seed=3)], 4, compile=True)
+    assert eager_draft_compile == []  # refused before the target's verify compiled
 
 
 def test_a_draft_cache_of_its_own(tiny_gemma, eager_draft_compile):

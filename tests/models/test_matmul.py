@@ -4,6 +4,7 @@ packed copy's lifetime, and the model options `matmul` and `weights`."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -105,8 +106,22 @@ def test_a_traced_projection_calls_onednn_as_one_opaque_op(rows, out_in):
     fn = torch.compile(lambda a: project(a.relu(), w, None, "onednn", packed, held) + 1, fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(fn(x), x.relu() @ w + 1, rtol=1e-5, atol=1e-4)
+        first = packed.packed
         torch.testing.assert_close(fn(x * 2), (x * 2).relu() @ w + 1, rtol=1e-5, atol=1e-4)
     assert (packed.packed is not None) == (rows > 1)
+    assert packed.packed is first  # packed once: the compiled code hands the op the same weight each call
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_a_pickled_packed_weight_packs_afresh(protocol):
+    w, x, packed = torch.randn(16, 8), torch.randn(3, 16), PackedWeight()
+    with torch.no_grad():
+        project(x, w, None, "onednn", packed)
+    copy_ = pickle.loads(pickle.dumps(packed, protocol=protocol))
+    assert copy_.packed is None and int(copy_.handle) != int(packed.handle)  # derived data, a handle of its own
+    if matmul.onednn_available():
+        with torch.no_grad():
+            torch.testing.assert_close(project(x, w, None, "onednn", copy_), x @ w, rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn
