@@ -8,7 +8,9 @@
   longer prefills stay on `x @ W`. Traced by torch.compile (a compiled step,
   decoding/compiled.py), the oneDNN product is one opaque call in the graph
   (`decodelab::onednn_linear`): inductor would lower `x @ W` to MKL's sgemm, 2x slower
-  than oneDNN's packed linear at 8 rows (SmolLM2's head: 10.7 against 2.2 ms, Zen 5);
+  than oneDNN's packed linear at 8 rows (SmolLM2's head: 10.7 against 2.2 ms, Zen 5). The
+  op's Python dispatch costs about 22 us a call (33 against 11 us calling `_linear`
+  directly), about 2.7 ms of a step of SmolLM2's 121 projections: a C++ op would save it;
 - `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
   else `reference`.
 
@@ -18,7 +20,10 @@ weights are read once either way. MKL's small-M sgemm on this project's CPU (AMD
 AVX-512) does not get there: SmolLM2-135M's 3-row forward costs 1.8x a 1-row one and a
 5-row one 2.3x. oneDNN's packed linear streams the weights once for all rows: 1.1x
 (experiments/README.md, "CPU verify cost"). One-row products stay with MKL, whose gemv
-is faster there (the LM head: 4.6 ms against 7.0 ms).
+is faster there (the LM head: 4.6 ms against 7.0 ms). On a Zen 5 a whole batch-1 step
+measured the other way (32.6 ms eager against 18.8 for a batch of 2, whose rows go to
+oneDNN; experiments/results/engine-compile): which kernel a one-row product takes should be
+probed per machine (issue 34), not fixed.
 
 Cost: the packed copies hold the projection weights a second time, and a tied head's
 embedding too (made on first use, rebuilt when the weight changes). Results differ from
