@@ -11,7 +11,8 @@ positions), from which the graph derives what it needs (`begin`: lengths, block 
 Each backend's `attend(layer, q, k, v, plan)` takes it like any plan and attends over its
 whole storage, masked by position: dense and sliding's full layers read their row-major
 buffers (on a CPU, for fp32, through decodelab's native kernel over only the slots each
-query sees), paged reads its block pools through the table, sliding's ring layers read
+query sees), paged reads its block pools through the table (on a CPU gathered row-major for
+that native kernel), sliding's ring layers read
 their rings by the positions the slots hold. On CUDA the cache writes and the attention
 stay outside torch.compile's graph (opaque calls a CUDA graph captures); on a CPU they are
 traced with the model into one graph.
@@ -97,6 +98,7 @@ class StaticPlan:
         if storage is not None and storage.table is not None:
             keys = storage.table.shape[1] * storage.block_size  # positions the table addresses
             self.splits = split_count(batch_size * layout.n_kv_heads, keys, dev)
+            self.kpos_table = torch.arange(keys, device=dev)  # [S] every position the table addresses
         # ring size -> (the cache's slot positions [B, slots] on the host, the graph's copy on the device)
         self.rings = {r: (sp, sp if sp.device == dev else sp.to(dev)) for r, sp in (rings or {}).items()}
         self.ring_slots = {r: torch.zeros(batch_size, tokens, dtype=torch.long, device=dev) for r in self.rings}
@@ -166,8 +168,21 @@ class StaticPlan:
         for pool, new in ((k_pool, k), (v_pool, v)):
             pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
         lay = self.layout
+        if self.native:  # a CPU: the rows' slots gathered row-major, the native kernel reads those each query sees
+            keys, values = self._rows_of(k_pool), self._rows_of(v_pool)  # [B, Hkv, S, D]
+            return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale,
+                                                        lay.windows[layer] or 0)
         return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
+
+    def _rows_of(self, pool: torch.Tensor) -> torch.Tensor:
+        """A pool [Hkv, N, bs, D] read through the block table as row-major rows [B, Hkv, S, D]
+        (S: every position the table addresses; a slot of no block reads block 0, past the
+        row's length, where no query looks)."""
+        bs, table = self.storage.block_size, self.storage.table
+        kpos = self.kpos_table[:table.shape[1] * bs]  # [S]
+        blocks = table.long()[:, kpos // bs].clamp(min=0)  # [B, S]
+        return pool[self.heads[..., None], blocks[:, None], (kpos % bs)[None, None]]
 
     def attend_ring(self, ring: int, window: int, q, k, v, keys: torch.Tensor, values: torch.Tensor):
         """Write k, v into a ring [B, Hkv, slots, D] at the slots of this step's positions and
