@@ -20,15 +20,13 @@ traced with the model into one graph.
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
 from decodelab.cache.base import StaticView, reference_attention
 from decodelab.cache.kernels.dispatch import resolve_impl, split_count
-from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
+from decodelab.cache.kernels.paged import gather_rows, paged_attention_reference, paged_attention_triton
 from decodelab.models.errors import SetupError
+from decodelab.models.handles import Handles
 
 #: a dense buffer's compiled CPU step attends through decodelab's native kernel where it
 #: serves (models/native.py: AVX2, fp32, head size a multiple of 8, no logit softcap):
@@ -98,7 +96,6 @@ class StaticPlan:
         if storage is not None and storage.table is not None:
             keys = storage.table.shape[1] * storage.block_size  # positions the table addresses
             self.splits = split_count(batch_size * layout.n_kv_heads, keys, dev)
-            self.kpos_table = torch.arange(keys, device=dev)  # [S] every position the table addresses
         # ring size -> (the cache's slot positions [B, slots] on the host, the graph's copy on the device)
         self.rings = {r: (sp, sp if sp.device == dev else sp.to(dev)) for r, sp in (rings or {}).items()}
         self.ring_slots = {r: torch.zeros(batch_size, tokens, dtype=torch.long, device=dev) for r in self.rings}
@@ -169,20 +166,12 @@ class StaticPlan:
             pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
         lay = self.layout
         if self.native:  # a CPU: the rows' slots gathered row-major, the native kernel reads those each query sees
-            keys, values = self._rows_of(k_pool), self._rows_of(v_pool)  # [B, Hkv, S, D]
+            bs, table = self.storage.block_size, self.storage.table
+            keys, values = gather_rows(k_pool, table, bs), gather_rows(v_pool, table, bs)  # [B, Hkv, S, D]
             return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale,
                                                         lay.windows[layer] or 0)
         return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
-
-    def _rows_of(self, pool: torch.Tensor) -> torch.Tensor:
-        """A pool [Hkv, N, bs, D] read through the block table as row-major rows [B, Hkv, S, D]
-        (S: every position the table addresses; a slot of no block reads block 0, past the
-        row's length, where no query looks)."""
-        bs, table = self.storage.block_size, self.storage.table
-        kpos = self.kpos_table[:table.shape[1] * bs]  # [S]
-        blocks = table.long()[:, kpos // bs].clamp(min=0)  # [B, S]
-        return pool[self.heads[..., None], blocks[:, None], (kpos % bs)[None, None]]
 
     def attend_ring(self, ring: int, window: int, q, k, v, keys: torch.Tensor, values: torch.Tensor):
         """Write k, v into a ring [B, Hkv, slots, D] at the slots of this step's positions and
@@ -219,11 +208,9 @@ class HostPlan:
         self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         self.current = None  # the eager plan of the step about to run (`book`)
         self.attended: set[int] = set()
-        handle = next(_HANDLES)
-        _HOST_PLANS[handle] = self  # weakly: a dropped step frees its cache
-        # the handle as data, not a constant: a graph input, so that every step of the same
-        # shapes reuses one compiled graph (an int would be specialized and guarded on)
-        self.handle = torch.tensor(handle)
+        # a graph input (models/handles.py): every step of the same shapes reuses one compiled
+        # graph; held weakly, so a dropped step frees its cache
+        self.handle = _HOST_PLANS.add(self)
 
     def book(self, cache, positions: torch.Tensor) -> None:
         """Host side of a step: plan it on the cache (its eager plan, kept for the calls)."""
@@ -242,14 +229,13 @@ class HostPlan:
 
 
 #: the live HostPlans of the process, by handle (what the traced op carries)
-_HOST_PLANS: "weakref.WeakValueDictionary[int, HostPlan]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
+_HOST_PLANS = Handles()
 _REGISTERED = False
 
 
 def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                       handle: torch.Tensor) -> torch.Tensor:
-    plan = _HOST_PLANS.get(int(handle))
+    plan = _HOST_PLANS.get(handle)
     if plan is None or plan.current is None:
         raise RuntimeError("a compiled step's host attention ran without its booked plan (HostPlan.book before "
                            "every step; the step's HostPlan must be alive)")

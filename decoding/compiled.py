@@ -423,14 +423,15 @@ class VerifyForward:
     verifies (a shorter last round, frozen rows) run the model's eager forward. `steps`
     counts the compiled ones. The logits live in the step's buffer: read before the next."""
 
-    def __init__(self, static: StaticDecoder, model, cache):
-        self.static, self.model, self.cache, self.steps = static, model, cache, 0
+    def __init__(self, static: StaticDecoder):
+        self.static, self.steps = static, 0
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        if ids.shape[1] == self.static.tokens and bool(valid.all()):
+        s = self.static
+        if ids.shape[1] == s.tokens and bool(valid.all()):
             self.steps += 1
-            return self.static.step(ids)
-        return self.model(ids, positions, self.cache, valid=valid)
+            return s.step(ids)
+        return s.model(ids, positions, s.cache, valid=valid)
 
 
 def compiled_verify(model, cache, decoder) -> "VerifyForward | None":
@@ -441,7 +442,7 @@ def compiled_verify(model, cache, decoder) -> "VerifyForward | None":
     tokens = getattr(decoder, "verify_tokens", None)
     if not tokens or static_problems(cache, "compile", tokens):
         return None
-    return VerifyForward(compiled_step(model, cache, tokens=tokens), model, cache)
+    return VerifyForward(compiled_step(model, cache, tokens=tokens))
 
 
 def static_capacity(need: int, limit: int, multiple: int = 256) -> int:

@@ -49,8 +49,8 @@ static step (decoding/compiled.py; any backend with a `static_plan`, int4's host
 included), compiled once before the first request; other steps stay eager. With a
 speculative decoder of a fixed gamma it compiles the verify of gamma + 1 tokens
 (`compiled_verify`: a round in which every row verifies and no prefill chunk shares the
-forward) and a draft model's one-token steps. Off by default (a compile of 10-40 s before
-the first request; experiments/README.md, "engine-compile").
+forward) and a draft model's one-token steps. Off by default: the compile runs before the
+first request (what it costs and buys: experiments/results/engine-compile).
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.decoding.generate import _length, new_tokens_problems
-from decodelab.decoding.prefill import prefill, prompt_segment, token_id_problems
+from decodelab.decoding.prefill import prompt_segment, token_id_problems
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 from decodelab.models.transformer import Segment
 
@@ -545,18 +545,6 @@ class Engine:
         long = [[rc] for rc in chunks if rc[1] >= self.OWN_FORWARD]
         short = [rc for rc in chunks if rc[1] < self.OWN_FORWARD]
         return long + ([short] if short else [])
-
-    def _prefill(self, chunks: list[tuple[_Running, int]], clock) -> None:
-        """The prefilling rows' next chunks, a forward per group (`_chunk_groups`)."""
-        for group in self._chunk_groups(chunks):
-            self._prefill_forward(group, clock)
-
-    def _prefill_forward(self, chunks: list[tuple[_Running, int]], clock) -> None:
-        """One forward over these prefilling rows, each its next chunk: THE prefill
-        (decoding/prefill.py) on those rows."""
-        logits = prefill(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in chunks],
-                         rows=[r.row for r, _ in chunks])  # [b, V]
-        self._prefilled(chunks, logits, clock)
 
     def _prefilled(self, chunks: list[tuple[_Running, int]], logits: torch.Tensor, clock) -> None:
         """The chunks are in the cache (their rows' last logits [b, V]): each row offers

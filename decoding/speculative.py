@@ -178,9 +178,7 @@ class SpeculativeDecoder:
     needs_drafter = True  # the `draft` config group builds it
     lossless_at_temperature_0 = True  # greedy verification keeps the target's argmax
     #: generate's compile=True compiles the drafter's one-token steps (a draft model's) and,
-    #: where `verify_tokens` is fixed, the verify (decoding/compiled.py's `VerifyForward`;
-    #: SmolLM2 fp32, Zen 5, 2 threads, batch 1, 53 tokens of context: 5 tokens 16.0 ms compiled
-    #: against 19.8 eager, 9 tokens 19.0 against 22.8; experiments/results/engine-compile)
+    #: where `verify_tokens` is fixed, the verify (decoding/compiled.py's `VerifyForward`)
     compiles_drafter = True
 
     def __init__(self, drafter, gamma: int | None = None, temperature: float = 0.0, top_k: int = 0,

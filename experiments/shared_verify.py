@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from decodelab.cache.dense import DenseCache
-    from decodelab.decoding import SpeculativeDecoder, make_cache
+    from decodelab.decoding import SpeculativeDecoder, make_cache, prefill
     from decodelab.decoding.drafters import quantized_self
     from decodelab.decoding.engine import Engine, Request, serve
     from decodelab.experiments.harness import run_conditions
@@ -41,10 +41,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [lm.tokenizer.encode(r.prompt, chat=True) for r in reqs]
     shared_speculate = Engine._speculate
 
-    def separate(self, decode, clock, chunks=()):  # the earlier engine: verify alone, then the chunks
-        shared_speculate(self, decode, clock)
-        if chunks:
-            self._prefill(chunks, clock)
+    def separate(self, decode, clock, chunks=()):  # the earlier engine: verify alone, then the chunks,
+        shared_speculate(self, decode, clock)  # a forward per group as THE prefill on those rows
+        for group in self._chunk_groups(list(chunks)):
+            logits = prefill(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in group],
+                             rows=[r.row for r, _ in group])  # [b, V]
+            self._prefilled(group, logits, clock)
 
     def run(mode: str):
         Engine._speculate = shared_speculate if mode == "shared" else separate

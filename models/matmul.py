@@ -7,10 +7,8 @@
   weight (fp32 models on a CPU; autograd takes the reference); one-row products and
   longer prefills stay on `x @ W`. Traced by torch.compile (a compiled step,
   decoding/compiled.py), the oneDNN product is one opaque call in the graph
-  (`decodelab::onednn_linear`): inductor would lower `x @ W` to MKL's sgemm, 2x slower
-  than oneDNN's packed linear at 8 rows (SmolLM2's head: 10.7 against 2.2 ms, Zen 5). The
-  op's Python dispatch costs about 22 us a call (33 against 11 us calling `_linear`
-  directly), about 2.7 ms of a step of SmolLM2's 121 projections: a C++ op would save it;
+  (`decodelab::onednn_linear`), where inductor would lower `x @ W` to MKL's sgemm
+  (experiments/results/engine-compile);
 - `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
   else `reference`.
 
@@ -20,10 +18,8 @@ weights are read once either way. MKL's small-M sgemm on this project's CPU (AMD
 AVX-512) does not get there: SmolLM2-135M's 3-row forward costs 1.8x a 1-row one and a
 5-row one 2.3x. oneDNN's packed linear streams the weights once for all rows: 1.1x
 (experiments/README.md, "CPU verify cost"). One-row products stay with MKL, whose gemv
-is faster there (the LM head: 4.6 ms against 7.0 ms). On a Zen 5 a whole batch-1 step
-measured the other way (32.6 ms eager against 18.8 for a batch of 2, whose rows go to
-oneDNN; experiments/results/engine-compile): which kernel a one-row product takes should be
-probed per machine (issue 34), not fixed.
+is faster there (the LM head: 4.6 ms against 7.0 ms); on other CPUs it is not
+(experiments/results/engine-compile).
 
 Cost: the packed copies hold the projection weights a second time, and a tied head's
 embedding too (made on first use, rebuilt when the weight changes). Results differ from
@@ -33,10 +29,11 @@ do (tests/models/test_matmul.py: logits within 1e-4 on every tiny model family).
 
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
+
+from decodelab.models.handles import Handles
 
 IMPLS = ("auto", "reference", "onednn")
 _PACK_ROWS = 16  # the row count oneDNN tunes the packed layout for (any count runs)
@@ -93,10 +90,7 @@ class PackedWeight:
         self.key: tuple | None = None
         self.source: weakref.ref | None = None
         self.packed: torch.Tensor | None = None
-        handle = next(_HANDLES)
-        _PACKS[handle] = self  # weakly: what a compiled graph's oneDNN call finds it by
-        # data, not a constant: a graph input, so that a graph serves any model of its shapes
-        self.handle = torch.tensor(handle, device="cpu")  # (a model built on the meta device too)
+        self.handle = _PACKS.add(self)  # what a compiled graph's oneDNN call finds it by (models/handles.py)
 
     def get(self, w: torch.Tensor, out_in: bool = False) -> torch.Tensor:
         """The packed copy of `w` ([in, out], or [out, in] with `out_in`)."""
@@ -118,8 +112,7 @@ class PackedWeight:
 
 
 #: the live PackedWeights of the process, by handle (what the traced op carries)
-_PACKS: "weakref.WeakValueDictionary[int, PackedWeight]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
+_PACKS = Handles()
 
 
 def _linear(x2: torch.Tensor, packed: PackedWeight, w: torch.Tensor, b: torch.Tensor | None,
@@ -138,7 +131,7 @@ def _onednn_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
     """`_linear` on the PackedWeight `handle` names: what a traced graph calls (one opaque
     op, `decodelab::onednn_linear`: oneDNN's packed weight is an opaque oneDNN tensor, which
     inductor cannot take as a graph input; its fake gives the output's shape)."""
-    packed = _PACKS.get(int(handle))
+    packed = _PACKS.get(handle)
     if packed is None:
         raise RuntimeError("a compiled step's oneDNN projection ran after its model's weights were dropped or its "
                            "projections replaced; build a new compiled step for the model as it is now")

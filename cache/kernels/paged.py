@@ -25,20 +25,28 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Attention [B, Hq, T, D] of each query over its row's keys p <= q (and inside the
     window): causal within the new tokens too. A query that sees no key gets zeros."""
-    Hkv, N, bs, D = k_pool.shape
-    dev = q.device
+    bs, dev = k_pool.shape[2], q.device
     kpos = torch.arange(table.shape[1] * bs, device=dev)  # [S] every position the table addresses
     blocks = table.to(dev).long()[:, kpos // bs]  # [B, S]
     held = (blocks >= 0) & (kpos[None] < kv_len.to(dev)[:, None])  # [B, S]
-    heads = torch.arange(Hkv, device=dev)[None, :, None]  # [1, Hkv, 1]
-    at = (heads, blocks.clamp(min=0)[:, None], (kpos % bs)[None, None])  # broadcast to [B, Hkv, S]
-    k, v = k_pool[at], v_pool[at]  # [B, Hkv, S, D]
+    k, v = gather_rows(k_pool, table, bs), gather_rows(v_pool, table, bs)  # [B, Hkv, S, D]
     qp = qpos.to(dev)[..., None]  # [B, T, 1]
     mask = held[:, None, :] & (kpos <= qp)  # [B, T, S]
     if window is not None:
         mask &= kpos > qp - window
     out = reference_attention(q, k, v, mask[:, None], scale, softcap)
     return out.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)
+
+
+def gather_rows(pool: torch.Tensor, table: torch.Tensor, bs: int) -> torch.Tensor:
+    """A pool [Hkv, N, bs, D] read through the block table [B, M] as row-major rows
+    [B, Hkv, M * bs, D]: every position the table addresses (a position of no block, -1,
+    reads block 0: past the row's length, where no query looks)."""
+    dev = pool.device
+    kpos = torch.arange(table.shape[1] * bs, device=dev)  # [S]
+    blocks = table.to(dev).long()[:, kpos // bs].clamp(min=0)  # [B, S]
+    heads = torch.arange(pool.shape[0], device=dev)[None, :, None]  # [1, Hkv, 1]
+    return pool[heads, blocks[:, None], (kpos % bs)[None, None]]  # broadcast to [B, Hkv, S], D each
 
 
 def dense_as_pool(t: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
