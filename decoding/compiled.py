@@ -391,13 +391,27 @@ def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "
     fails to load (a damaged compile cache) is named and the compile retried once in a fresh
     cache folder (`_fresh_compile_cache`); a second failure is refused naming the folder."""
     first = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)
-    for attempt in (1, 2):
+
+    def build() -> StaticDecoder:
         cache.reset()
+        dec = StaticDecoder(model, cache, mode="compile", backend=backend, tokens=tokens)
+        dec.step(first)
+        return dec
+
+    dec = compile_retrying(build)
+    cache.reset()
+    dec.guarded = False  # the first real step (after a prefill) is guarded in full once more
+    return dec
+
+
+def compile_retrying(build):
+    """`build()` (which compiles), retried once in a fresh compile cache folder where it
+    failed on a damaged cached artifact (`damaged_artifact`, `_fresh_compile_cache`); a
+    second such failure is refused naming the folder; any other error propagates."""
+    for attempt in (1, 2):
         folder = inductor_cache_dir()
         try:
-            dec = StaticDecoder(model, cache, mode="compile", backend=backend, tokens=tokens)
-            dec.step(first)
-            break
+            return build()
         except Exception as e:
             found = damaged_artifact(e, folder)
             if found is None:
@@ -409,9 +423,6 @@ def compiled_step(model, cache, backend: str = "inductor", tokens: int = 1) -> "
                                  f"{folder} (rm -r {folder}) and run again, or set TORCHINDUCTOR_CACHE_DIR to "
                                  "another folder") from e
             _fresh_compile_cache(folder, *found)
-    cache.reset()
-    dec.guarded = False  # the first real step (after a prefill) is guarded in full once more
-    return dec
 
 
 class VerifyForward:
@@ -426,9 +437,13 @@ class VerifyForward:
     def __init__(self, static: StaticDecoder):
         self.static, self.steps = static, 0
 
+    def fits(self, ids: torch.Tensor, valid: torch.Tensor) -> bool:
+        """Whether the compiled step runs this verify (else it runs eagerly)."""
+        return ids.shape[1] == self.static.tokens and bool(valid.all())
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         s = self.static
-        if ids.shape[1] == s.tokens and bool(valid.all()):
+        if self.fits(ids, valid):
             self.steps += 1
             return s.step(ids)
         return s.model(ids, positions, s.cache, valid=valid)

@@ -49,8 +49,12 @@ static step (decoding/compiled.py; any backend with a `static_plan`, int4's host
 included), compiled once before the first request; other steps stay eager. With a
 speculative decoder of a fixed gamma it compiles the verify of gamma + 1 tokens
 (`compiled_verify`: a round in which every row verifies and no prefill chunk shares the
-forward) and a draft model's one-token steps. Off by default: the compile runs before the
-first request (what it costs and buys: experiments/results/engine-compile).
+forward) and a draft model's one-token steps. With `compile_flat=True` too, every other
+forward (some rows decode, prefill chunks beside decode rows, a shorter last verify) runs
+through the compiled model runner's flat token batches (decoding/runner.py: one graph per
+bucket of up to 64 tokens, each backend's own attention inside it); longer forwards stay
+eager. Both off by default: the compiles run before the first request (what they cost and
+buy: experiments/results/engine-compile). Every forward goes through one `ModelRunner`.
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
@@ -164,6 +168,9 @@ class EngineResult:
     #: compiling at the start of the run, before any request's clock: the static step (compile=True) and a
     #: draft model's one-token steps (compile=True, or the draft's own `compile`)
     compile_s: float = 0.0
+    #: forwards through the compiled runner's flat token batches (`compile_flat=True`: every forward but the
+    #: static step's and those larger than its largest bucket)
+    flat_forwards: int = 0
 
 
 def engine_problems(cache, decoder, token_budget: int, policy: str, max_running: int | None = None,
@@ -195,10 +202,14 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     return p
 
 
-def engine_compile_problems(cache, decoder, compile) -> list[str]:
+def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list[str]:
     """`compile`: a bool; where true, a cache with a compiled step (its `static_plan`) of the
     tokens a step feeds per row: one, or a speculative decoder's fixed gamma + 1
-    (`verify_tokens`; adaptive gamma and drafters that read hidden states verify eagerly)."""
+    (`verify_tokens`; adaptive gamma and drafters that read hidden states verify eagerly).
+    `compile_flat`: a bool, true only with `compile`."""
+    if not isinstance(compile_flat, bool) or (compile_flat and compile is not True):
+        return [f"compile_flat must be true or false, and true only with compile=True (the runner's flat batches "
+                f"serve the forwards the compiled static step does not), got {compile_flat!r} (compile={compile!r})"]
     if not isinstance(compile, bool):
         return [f"compile must be true or false, got {compile!r}"]
     if not compile:
@@ -227,12 +238,13 @@ class Engine:
 
     def __init__(self, model, cache, decoder, token_budget: int = 256, policy: str = "decode-first",
                  chunked_prefill: bool = True, kv_budget_mb: float | None = None, max_running: int | None = None,
-                 eos_ids=(), headroom: int = 16, compile: bool = False):
+                 eos_ids=(), headroom: int = 16, compile: bool = False, compile_flat: bool = False):
         bad_headroom = [] if isinstance(headroom, int) and headroom >= 0 else [
             f"headroom must be an integer >= 0 tokens, got {headroom!r}"]
         raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb)
-                 + bad_headroom + decoder.problems(model, cache) + engine_compile_problems(cache, decoder, compile))
-        self.compile, self.static = compile, None
+                 + bad_headroom + decoder.problems(model, cache)
+                 + engine_compile_problems(cache, decoder, compile, compile_flat))
+        self.compile, self.compile_flat, self.static, self.runner = compile, compile_flat, None, None
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
@@ -274,10 +286,21 @@ class Engine:
         if self.compile and self.static is None:  # compiled now (on the emptied cache), not in a request
             from decodelab.decoding.compiled import compiled_step, compiled_verify
 
+            from decodelab.decoding.runner import compiled_runner
+
             t = time.perf_counter()  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
             self.static = compiled_verify(self.model, self.cache, self.decoder) if self.decoder.lookahead else \
                 compiled_step(self.model, self.cache)
+            # every other forward (mixed, some rows, chunks): flat token batches of up to a step's tokens
+            if self.compile_flat:
+                self.runner = compiled_runner(self.model, self.cache,
+                                              self.token_budget + self.cache.batch_size * self.decoder.lookahead)
             compile_s += time.perf_counter() - t
+        if self.runner is None:
+            from decodelab.decoding.runner import ModelRunner
+
+            self.runner = ModelRunner(self.model, self.cache)
+        flat_before = self.runner.compiled_forwards
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request
         self._order, timeline, preempted, steps, self._compiled_steps = 0, [], 0, 0, 0
@@ -317,7 +340,7 @@ class Engine:
                              "kv_bytes": self._used(), "decode_rows": len(decode),
                              "prefill_tokens": sum(c for _, c in chunks)})
         return EngineResult(results, timeline, self.kv_budget, clock(), preempted, steps, self._compiled_steps,
-                            compile_s)
+                            compile_s, self.runner.compiled_forwards - flat_before)
 
     def _arrive(self, i: int, req: Request, res: RequestResult, clock) -> None:
         why = self.rejection(req)
@@ -450,7 +473,7 @@ class Engine:
             self._emit(decode, [[t] for t in self.decoder.start(logits[[r.row for r in decode]]).tolist()], clock)
             return
         seg, at = self._decode_segment(decode, self._decode_rows(decode))
-        logits = self.model.forward_segments([seg], self.cache)[0]  # [b, 1, V]
+        logits = self.runner.forward_segments([seg])[0]  # [b, 1, V]
         self._emit(decode, [[t] for t in self.decoder.start(logits[[at[r.row] for r in decode], 0]).tolist()], clock)
 
     def _decode_rows(self, decode: list[_Running], busy=()) -> list[int]:
@@ -489,7 +512,7 @@ class Engine:
         groups = self._chunk_groups(chunks)
         segments += [prompt_segment(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in g],
                                     [r.row for r, _ in g]) for g in groups]
-        logits = self.model.forward_segments(segments, self.cache)
+        logits = self.runner.forward_segments(segments)
         if decode:
             self._emit(decode, [[t] for t in self.decoder.start(logits[0][[at[r.row] for r in decode], 0]).tolist()],
                        clock)
@@ -515,16 +538,19 @@ class Engine:
             verify = Segment(ids[rows], positions[rows], valid[rows], rows)
             segments = [verify] + [prompt_segment(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in g],
                                                   [r.row for r, _ in g]) for g in groups]
-            logits = self.model.forward_segments(segments, self.cache)
+            logits = self.runner.forward_segments(segments)
             prefilled.extend(lg[:, 0] for lg in logits[1:])
             full = logits[0].new_zeros(B, *logits[0].shape[1:])  # [B, G + 1, V]: the frozen rows' are never read
             full[rows] = logits[0]
             return full
 
-        verify = forward if groups else None
+        verify = forward if groups or self.compile_flat else None  # compile_flat: the runner's flat forward
         compiled = not groups and self.static is not None and len(decode) == B
         if compiled:  # every row verifies, nothing else in the step: the compiled verify (VerifyForward)
-            verify, before = self.static, self.static.steps
+            static, before = self.static, self.static.steps
+
+            def verify(ids, positions, valid):  # a shorter last round: the runner (eager, or flat)
+                return static(ids, positions, valid) if static.fits(ids, valid) else forward(ids, positions, valid)
         produced = self.decoder.step(self.model, self.cache, last.to(self.model.device), done=done, left=left,
                                      forward=verify)
         if compiled:  # (a shorter last round verifies eagerly)

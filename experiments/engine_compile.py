@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", nargs="+", default=["dense", "paged", "int4", "sliding"])
     ap.add_argument("--decoders", nargs="+", default=["greedy", "int8-self"], choices=["greedy", "int8-self"])
+    ap.add_argument("--flat", action="store_true",
+                    help="also a compiled engine whose other forwards run through the compiled runner's flat "
+                         "token batches (compile_flat=True): what they add")
     a = ap.parse_args(argv)
     import torch
 
@@ -59,8 +62,11 @@ def main(argv: list[str] | None = None) -> None:
                 return greedy() if d == "greedy" else SpeculativeDecoder(quantized_self(lm, "int8", cache=factory))
             engines = {m: Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory), decoder(), compile=c)
                        for m, c in (("eager", False), ("compiled", True))}
+            if a.flat:
+                engines["compiled_flat"] = Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory),
+                                                  decoder(), compile=True, compile_flat=True)
             with_hf = i == 0 and d == "greedy"
-            tok_s, tokens, compile_s, compiled_steps = {"eager": [], "compiled": [], "transformers": []}, {}, 0.0, 0
+            tok_s, tokens, compile_s, compiled_steps = {m: [] for m in [*engines, "transformers"]}, {}, 0.0, 0
             for _ in range(a.rounds):
                 for m, e in engines.items():
                     r = e.run([Request(p, a.new, 0.0, j) for j, p in enumerate(prompts)])
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                              "eager_over_transformers": med["eager"] / med["transformers"],
                              "same_as_transformers": tokens["eager"] == tokens["transformers"]} if with_hf else {}),
                          "compiled_same_as_eager": tokens["compiled"] == tokens["eager"],
+                         **({"flat_over_eager": med["compiled_flat"] / med["eager"],
+                             "flat_same_as_eager": tokens["compiled_flat"] == tokens["eager"]} if a.flat else {}),
                          **({"same_as_greedy_engine": tokens["eager"] == greedy_tokens}
                             if d != "greedy" and greedy_tokens is not None else {}),
                          "rounds": tok_s, "compile_s": compile_s, "compiled_steps_last_run": compiled_steps})
@@ -173,3 +181,68 @@ def verify_times(contexts=(53, 200), tokens=(1, 5, 9), steps: int = 15, rounds: 
 
 if __name__ == "__main__":
     main()
+
+
+def runner_times(steps: int = 10, rounds: int = 3, threads: int = 2, rows: int = 8) -> None:
+    """One engine-shaped forward, dense cache of `rows` rows at 60 tokens each: the compiled
+    flat runner (decoding/runner.py) against the eager `forward_segments`, and, for a step in
+    which every row decodes, the compiled static step; shapes: every row decodes, 3 rows
+    decode, every row decodes beside a 56-token prefill chunk (one row's), a 128-token chunk
+    alone. Rolled back after each forward; the paths alternate `rounds` times, `steps`
+    forwards each after 2 warm-ups; median of the rounds' means. Prints each bucket's
+    compile time first."""
+    import time
+
+    import torch
+
+    from decodelab.cache.dense import DenseCache
+    from decodelab.decoding import make_cache, prefill
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.decoding.runner import ModelRunner
+    from decodelab.experiments.harness import run_conditions
+    from decodelab.models import load
+    from decodelab.models.transformer import Segment
+
+    torch.set_num_threads(threads)
+    m = load("smollm2-135m", device="cpu").model
+    prompts = [[5 + i] * 60 for i in range(rows)]
+    caches = {k: make_cache(m, rows, 512, DenseCache) for k in ("flat", "eager", "static")}
+    runner = ModelRunner(m, caches["flat"], compile=True, max_tokens=128)
+    print(json.dumps({"compile_s_per_bucket": {n: round(s, 1) for n, s in runner.warm().items()}}), flush=True)
+    static = compiled_step(m, caches["static"])
+    for c in caches.values():
+        prefill(m, c, prompts)
+    L = caches["eager"].lengths.clone()
+
+    def decode(rs):
+        rs = list(rs)
+        return Segment(torch.full((len(rs), 1), 7), L[rs][:, None].clone(), None, rs,
+                       torch.zeros(len(rs), 1, dtype=torch.long))
+
+    def chunk(row, n):  # row's next n tokens (the row decodes nothing in that step)
+        return Segment(torch.full((1, n), 9), L[row] + torch.arange(n)[None], None, [row], torch.tensor([[n - 1]]))
+
+    shapes = {"decode_all": [decode(range(rows))], "decode_3": [decode(range(3))],
+              "decode_7_chunk_56": [decode(range(rows - 1)), chunk(rows - 1, 56)],
+              "chunk_128": [chunk(0, 128)]}
+    last = torch.full((rows,), 7)
+    for name, segs in shapes.items():
+        paths = {"flat": lambda: runner.forward_segments(segs),
+                 "eager": lambda: m.forward_segments(segs, caches["eager"])}
+        if name == "decode_all":
+            paths["static"] = lambda: static.step(last)
+        ms = {p: [] for p in paths}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for p, fn in paths.items():
+                    c = caches[p]
+                    for i in range(steps + 2):
+                        if i == 2:
+                            t = time.perf_counter()
+                        fn()
+                        c.truncate(L)
+                    ms[p].append(1e3 * (time.perf_counter() - t) / steps)
+        med = {p + "_ms": round(statistics.median(v), 2) for p, v in ms.items()}
+        print(json.dumps({"shape": name, "tokens": sum(int(s.ids.numel()) for s in segs), **med,
+                          "flat_over_eager": round(med["flat_ms"] / med["eager_ms"], 3)}), flush=True)
+    print(json.dumps({"conditions": {**run_conditions(m), "rows": rows, "context": 60}}))

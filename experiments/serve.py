@@ -88,7 +88,7 @@ def check(cfg: DictConfig) -> None:
             p += [r if "cannot serve" not in r else f"backend {b}: {r}"
                   for r in engine_problems(cache, decoder, cfg.token_budget, cfg.policy)
                   if i == 0 or "cannot serve" in r]
-            p += [f"backend {b}: {r}" for r in engine_compile_problems(cache, decoder, cfg.compile)]
+            p += [f"backend {b}: {r}" for r in engine_compile_problems(cache, decoder, cfg.compile, cfg.compile_flat)]
     for b in (cfg.backend_options or {}):  # options of a backend this run does not serve: checked all the same
         if b not in harness.group_options("cache"):
             p.append(f"backend_options.{b}: no cache backend {b!r}; the options are {harness.group_options('cache')}")
@@ -186,7 +186,7 @@ def engine_for(cfg: DictConfig, lm, backend: str, capacity: int) -> Engine:
                        fix="lower max_running, max_prompt_tokens or max_output_tokens (synthetic: its token ranges)")
     return Engine(lm.model, cache, decoder_of(cfg), token_budget=cfg.token_budget, policy=cfg.policy,
                   chunked_prefill=cfg.chunked_prefill, kv_budget_mb=cfg.kv_budget_mb, headroom=cfg.headroom,
-                  compile=cfg.compile)
+                  compile=cfg.compile, compile_flat=cfg.compile_flat)
 
 
 def serve_once(engine: Engine, reqs: list[tuple[list[int], int]], rate: float, seed: int, times=None):

@@ -147,6 +147,18 @@ class Attention(nn.Module):
         outs = [packed.pack_one(self._attend(packed.unpack(qkv, s), rope[s], cache, p), s) for s, p in enumerate(plan)]
         return self.wo(torch.cat(outs))
 
+    def flat(self, x: torch.Tensor, rope: tuple, attend) -> torch.Tensor:
+        """x [N, dim] of a flat token batch (`Transformer.flat_hidden`) -> [N, dim]: the
+        projections, q/k norms and RoPE (cos, sin [N, 1, D]) per token, the attention
+        through `attend(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> [N, Hq, D]`."""
+        N, D = x.shape[0], self.cfg.head_dim
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(N, -1, D), k.view(N, -1, D), v.view(N, -1, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return self.wo(attend(self.layer, q, k, v).reshape(N, self.q_size))
+
     def _attend(self, qkv: torch.Tensor, rope: tuple, cache, plan) -> torch.Tensor:
         """qkv [B, T, q + 2 kv] -> attention output [B, T, Hq * D] (K/V stored by the cache)."""
         B, T, _ = qkv.shape
@@ -188,7 +200,15 @@ class Block(nn.Module):
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
     def forward(self, x, rope, cache, plan, packed: Packed | None = None):
-        h = self.attn(self.attn_norm(x), rope, cache, plan, packed)
+        return self._around(x, lambda h: self.attn(h, rope, cache, plan, packed))
+
+    def flat(self, x: torch.Tensor, rope: tuple, attend) -> torch.Tensor:
+        """x [N, dim] of a flat token batch, attending through `attend` (`Attention.flat`)."""
+        return self._around(x, lambda h: self.attn.flat(h, rope, attend))
+
+    def _around(self, x, attention):
+        """The block around its attention: norms, residuals, the MLP."""
+        h = attention(self.attn_norm(x))
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
@@ -252,9 +272,7 @@ class Transformer(nn.Module):
         pack = n_valid is not None and (n_valid < valid.numel() if valid.device.type == "cpu"
                                         else 2 * n_valid <= valid.numel())
         packed = Packed(valid) if pack else None
-        x = self.embed(ids if packed is None else packed.pack(ids))  # [B, T, dim] or [N, dim]
-        if self.cfg.embed_scale != 1.0:
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        x = self._embed(ids if packed is None else packed.pack(ids))  # [B, T, dim] or [N, dim]
         ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
         hidden = {}
         for layer, block in enumerate(self.layers[:n_layers]):
@@ -292,17 +310,21 @@ class Transformer(nn.Module):
             return [self.forward(s.ids, s.positions, cache, s.valid, s.logit_index, n_layers, s.rows)]
         valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
                   for s in segments]
-        plans = self._plan_segments(cache, segments)
+        plans = self.plan_segments(cache, segments)
         packed = Packed(valids)
-        x = self.embed(packed.pack([s.ids for s in segments]))  # [N, dim]
-        if self.cfg.embed_scale != 1.0:
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        x = self._embed(packed.pack([s.ids for s in segments]))  # [N, dim]
         ropes = [{r: rope_cos_sin(self.inv_freq(r, x.device), s.positions, x.dtype) for r in set(self._rope_keys)}
                  for s in segments]
         for layer, block in enumerate(self.layers[:n_layers]):
             key = self._rope_keys[layer]
             x = block(x, [r[key] for r in ropes], cache, plans, packed)
-        # the head once, on the rows every segment asks for
+        return self.segment_logits(x, packed, segments)
+
+    def segment_logits(self, x: torch.Tensor, packed: Packed, segments: list[Segment],
+                       normed: bool = False) -> list[torch.Tensor]:
+        """Each segment's logits from the last hidden states x [N, dim] of its packed valid
+        tokens (`normed`: the final norm already applied): the head once, on the rows every
+        segment asks for (its `logit_index`, else all its tokens)."""
         picked, shapes = [], []
         for i, s in enumerate(segments):
             if s.logit_index is None:
@@ -313,7 +335,8 @@ class Transformer(nn.Module):
                 h = h.gather(1, s.logit_index[..., None].expand(-1, -1, h.shape[-1]))  # [B, K, dim]
                 picked.append(h.reshape(-1, h.shape[-1]))
                 shapes.append(tuple(h.shape[:2]))
-        logits = self.head(self.norm(torch.cat(picked)))
+        rows = torch.cat(picked)
+        logits = self.head(rows if normed else self.norm(rows))
         out, at = [], 0
         for i, shape in enumerate(shapes):
             n = picked[i].shape[0]
@@ -322,8 +345,29 @@ class Transformer(nn.Module):
             out.append(packed.unpack_own(part, i) if shape is None else part.view(*shape, -1))
         return out
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
+
+    def flat_hidden(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The final-normed hidden states [N, dim] of a flat token batch: ids, positions [N]
+        (any rows' tokens in any order, padding included), every layer attending through
+        `attend(layer, q, k, v)` (`Attention.flat`), which knows which token belongs to
+        which row (decoding/runner.py). Everything else is per token, so one traced graph of
+        N tokens serves decode rows, prefill chunks and verifies alike."""
+        x = self._embed(ids)  # [N, dim]
+        ropes = {}
+        for r in set(self._rope_keys):
+            cos, sin = rope_cos_sin(self.inv_freq(r, x.device), positions[None], x.dtype)  # [1, 1, N, D]
+            ropes[r] = (cos.view(-1, 1, cos.shape[-1]), sin.view(-1, 1, sin.shape[-1]))  # [N, 1, D]
+        for layer, block in enumerate(self.layers):
+            x = block.flat(x, ropes[self._rope_keys[layer]], attend)
+        return self.norm(x)
+
     @staticmethod
-    def _plan_segments(cache, segments: list[Segment]) -> list:
+    def plan_segments(cache, segments: list[Segment]) -> list:
         """`cache.plan` every segment (each on its own rows): one plan each. A segment the
         cache refuses (a paged pool out of blocks) rolls the earlier ones back (`truncate`),
         so the refused forward leaves the rows as they were."""

@@ -382,20 +382,38 @@ def test_speculative_rows_near_capacity_are_released_with_their_request(tiny_mod
 
 
 @pytest.mark.parametrize("name,backend", [("llama", b) for b in ON["llama"]] + [("gemma3", "sliding")])
-def test_a_compiled_engine_serves_the_same_tokens(tiny_models, alone, name, backend, monkeypatch):
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_compiled_engine_serves_the_same_tokens(tiny_models, alone, name, backend, flat, monkeypatch):
     """compile=True: a decode step in which every cache row decodes runs through the compiled
-    static step (the others, and prefill chunks, eagerly); every request's tokens are its
-    greedy tokens alone, as the eager engine gives them, on every backend (int4: its host
-    plan). Here through dynamo's `eager` backend (test_compiled.py runs inductor)."""
-    import decodelab.decoding.compiled as compiled
-
-    monkeypatch.setattr(compiled, "compiled_step", functools.partial(compiled.compiled_step, backend="eager"))
+    static step; every other forward (some rows decode, prefill chunks, both) eagerly, or,
+    with compile_flat=True, through the compiled runner's flat token batches
+    (decoding/runner.py); every request's tokens are its greedy tokens alone, as the eager
+    engine gives them, on every backend (int4: its host plan). Here through dynamo's `eager`
+    backend (test_compiled.py and test_runner.py run inductor)."""
+    eager_backend(monkeypatch)
     m = tiny_models[name].model
     prompts, expected = alone[name, backend]
     cache = cache_for(m, 3, 80, SERVING[backend])
-    r = serve(m, cache, greedy(), requests(prompts, 0.005), token_budget=16, compile=True)
+    r = serve(m, cache, greedy(), requests(prompts, 0.005), token_budget=16, compile=True, compile_flat=flat)
     assert [x.tokens for x in r.requests] == expected
-    assert 0 < r.compiled_steps < r.steps and r.compile_s > 0  # full-batch decode steps compiled, the rest eager
+    assert 0 < r.compiled_steps < r.steps and r.compile_s > 0
+    if flat:
+        assert r.compiled_steps + r.flat_forwards == r.steps  # every forward compiled: static or flat
+    else:
+        assert r.flat_forwards == 0
+
+
+def eager_backend(monkeypatch) -> None:
+    """The engine's compiled steps, the drafters' and the runner's through dynamo's `eager`
+    backend (no inductor compile: seconds, not minutes)."""
+    import decodelab.decoding.compiled as compiled
+    import decodelab.decoding.drafters as drafters
+    import decodelab.decoding.runner as runner
+
+    eager_compile = functools.partial(compiled.compiled_step, backend="eager")
+    monkeypatch.setattr(compiled, "compiled_step", eager_compile)
+    monkeypatch.setattr(drafters, "compiled_step", eager_compile)
+    monkeypatch.setattr(runner, "compiled_runner", functools.partial(runner.compiled_runner, backend="eager"))
 
 
 @pytest.mark.parametrize("draft", ["prompt-lookup", "int8-self"])
@@ -405,14 +423,12 @@ def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alo
     verifies (and no prefill chunk shares the forward) verifies through the compiled step of
     gamma + 1 tokens (`VerifyForward`), the int8 self-draft drafts through its compiled
     one-token step; every request's output is still its greedy output alone, on every
-    backend. Through dynamo's `eager` backend (test_compiled.py runs inductor)."""
-    import decodelab.decoding.compiled as compiled
-    import decodelab.decoding.drafters as drafters
+    backend. With compile_flat, every other verify (some rows, beside prefill chunks, a shorter
+    last round) runs through the compiled runner's flat batches. Through dynamo's `eager`
+    backend."""
     from decodelab.decoding.drafters import prompt_lookup, quantized_self
 
-    eager_compile = functools.partial(compiled.compiled_step, backend="eager")
-    monkeypatch.setattr(compiled, "compiled_step", eager_compile)
-    monkeypatch.setattr(drafters, "compiled_step", eager_compile)
+    eager_backend(monkeypatch)
     lm = tiny_models["llama"]
     prompts, expected = alone["llama", backend]
     factory = functools.partial(INT4, rollback=3) if backend == "int4" else SERVING[backend]
@@ -420,9 +436,10 @@ def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alo
     decoder = SpeculativeDecoder(drafter, gamma=3)
     assert decoder.verify_tokens == 4
     r = serve(lm.model, cache_for(lm.model, 3, 80, factory), decoder, requests(prompts, 0.005), token_budget=16,
-              compile=True)
+              compile=True, compile_flat=True)
     assert [x.tokens for x in r.requests] == expected
     assert 0 < r.compiled_steps < decoder.stats["target_calls"] and r.compile_s > 0  # some verifies compiled
+    assert r.flat_forwards > 0 and r.compiled_steps + r.flat_forwards == r.steps  # and all the others flat
     if draft == "int8-self":
         assert drafter.static is not None  # the draft's one-token steps compiled too
 
@@ -436,3 +453,5 @@ def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):
         Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2, adaptive=True), compile=True)
     with pytest.raises(SetupError, match="compile must be true or false, got 'yes'"):
         Engine(m, cache_for(m, 2, 64), greedy(), compile="yes")
+    with pytest.raises(SetupError, match=r"compile_flat must .* true only with compile=True .* got True \(compile=False\)"):
+        Engine(m, cache_for(m, 2, 64), greedy(), compile_flat=True)

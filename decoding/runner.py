@@ -1,0 +1,196 @@
+"""The model runner: a forward over segments (decode rows, prefill chunks, a verify's
+gamma + 1 tokens, any mix of them) run eagerly or as one flat token batch through a
+compiled graph of a bucketed size.
+
+`ModelRunner.forward_segments(segments)` has `Transformer.forward_segments`'s contract
+(one `Segment` per padded batch of distinct cache rows; logits per segment). Eager, it is
+that method. Compiled (`compile=True`), the runner
+- books every segment's plan on the cache first (`Transformer.plan_segments`: lengths,
+  blocks, ring slots, int4 flushes; a refusal rolls back), as the eager forward does;
+- packs every segment's valid tokens into one flat batch of N tokens, padded to the
+  smallest bucket (powers of two from `MIN_BUCKET`) that holds it;
+- runs `Transformer.flat_hidden` on it through torch.compile (public API: `dynamic=False`,
+  one graph per bucket, compiled by `warm` before any request): embeddings, norms,
+  projections, RoPE, MLPs per token, all fused by inductor; each layer's attention is one
+  opaque call in the graph (`decodelab::flat_attend`, a torch custom op), which unpacks the
+  segments and runs the cache's own `attend` with each segment's booked plan, so every
+  backend (dense, paged, int4, sliding; trees and windows) serves through the same graph,
+  bit for bit the eager attention;
+- applies the head eagerly to the rows each segment asks logits for (one product, as
+  the eager forward does).
+A forward larger than the largest bucket runs eagerly (`eager_forwards` counts them).
+This is vLLM's piecewise compile: the scheduler's step in any shape, one graph per token
+count, attention outside it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decodelab.models.errors import SetupError
+from decodelab.models.handles import Handles
+from decodelab.models.transformer import Packed, Segment
+
+#: the smallest bucket: fewer tokens (a few decode rows) ride in one of this size, which
+#: costs about what they cost (the weights are read once either way)
+MIN_BUCKET = 8
+
+
+#: the largest bucket: a longer forward (a prefill chunk of many tokens) is compute-bound,
+#: where padding it to a power of two would cost up to twice its work and the fused
+#: position-wise ops buy nothing: it runs eagerly (its products, like the eager ones, past
+#: models.matmul's MAX_ROWS)
+MAX_BUCKET = 64
+
+
+def buckets_for(max_tokens: int) -> tuple[int, ...]:
+    """Powers of two from `MIN_BUCKET` up to the first that holds `max_tokens`, at most
+    `MAX_BUCKET`."""
+    out, b = [], MIN_BUCKET
+    while True:
+        out.append(b)
+        if b >= min(max_tokens, MAX_BUCKET):
+            return tuple(out)
+        b *= 2
+
+
+class FlatBatch:
+    """What a compiled flat forward's attention calls read: the cache, each segment's
+    booked plan and how the segments' tokens sit in the flat batch (`Packed`). Reached by
+    handle from inside the graph (models/handles.py)."""
+
+    def __init__(self, cache):
+        register_flat_attend()
+        self.cache = cache
+        self.plans: list | None = None  # None: nothing booked (warm-up: attention gives zeros)
+        self.packed: Packed | None = None
+        self.attended: set[int] = set()
+        self.handle = _BATCHES.add(self)
+
+
+_BATCHES = Handles()
+_REGISTERED = False
+
+
+def _flat_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                      handle: torch.Tensor) -> torch.Tensor:
+    """q [N, Hq, D], k, v [N, Hkv, D] of a flat batch -> [N, Hq, D]: each segment's
+    tokens unpacked to its [B, H, T, D] and attended by the cache through its plan
+    (storing its K/V), packed back; zeros at the padding tokens."""
+    b = _BATCHES.get(handle)
+    if b is None:
+        raise RuntimeError("a compiled flat forward ran after its runner was dropped")
+    out = torch.zeros_like(q)
+    if b.plans is None:
+        return out
+    if layer in b.attended:
+        raise RuntimeError(f"layer {layer} attended twice in one booked forward: its K/V would be stored twice")
+    b.attended.add(layer)
+    parts, p = [], b.packed
+    for s, plan in enumerate(b.plans):
+        lo, hi = p.bounds[s], p.bounds[s + 1]
+        qs, ks, vs = (p.unpack_own(t[lo:hi], s).transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        parts.append(p.pack_one(b.cache.attend(layer, qs, ks, vs, plan).transpose(1, 2), s))  # [N_s, Hq, D]
+    out[:p.bounds[-1]] = torch.cat(parts)
+    return out
+
+
+def register_flat_attend() -> None:
+    """Register `decodelab::flat_attend` once per process (on first use); its fake gives
+    q's shape, all inductor needs."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    op = torch.library.custom_op("decodelab::flat_attend", _flat_attend_impl, mutates_args=())
+    op.register_fake(lambda q, k, v, layer, handle: torch.empty_like(q))
+    _REGISTERED = True
+
+
+class ModelRunner:
+    """Runs a model's forwards over one cache (module docstring): `forward_segments`,
+    eager or, with `compile`, as flat token batches of up to `max_tokens` tokens through
+    one compiled graph per bucket (`backend`: torch.compile's)."""
+
+    def __init__(self, model, cache, compile: bool = False, max_tokens: int = 256, backend: str = "inductor"):
+        self.model, self.cache, self.compile = model, cache, compile
+        self.buckets = buckets_for(max_tokens) if compile else ()
+        self.compiled_forwards = self.eager_forwards = 0
+        self.compile_s = 0.0
+        self.fn = None
+        if compile:
+            from decodelab.decoding.compiled import INDUCTOR_PATCHES, allow_recompiles, inductor_cache_dir
+
+            allow_recompiles()
+            inductor_cache_dir()
+            model.memoize_rope(cache.layout.device)  # memos filled before tracing: no guard on their state
+            self.batch = FlatBatch(cache)
+            dev = cache.layout.device
+            self.bufs = {n: (torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev))
+                         for n in self.buckets}
+            options = INDUCTOR_PATCHES if backend == "inductor" else None
+            self.fn = torch.compile(self._flat, backend=backend, options=options, dynamic=False, fullgraph=True)
+
+    def _flat(self, ids: torch.Tensor, positions: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        def attend(layer, q, k, v):
+            return torch.ops.decodelab.flat_attend(q, k, v, layer, handle)
+        return self.model.flat_hidden(ids, positions, attend)
+
+    @torch.no_grad()
+    def warm(self) -> dict[int, float]:
+        """Compile every bucket now (nothing booked: the cache is not touched); the seconds
+        each took (`compile_s`: their sum, added up over calls)."""
+        took = {}
+        for n in self.buckets:
+            t = time.perf_counter()
+            self.fn(*self.bufs[n], self.batch.handle)
+            took[n] = time.perf_counter() - t
+        self.compile_s += sum(took.values())
+        return took
+
+    @torch.no_grad()
+    def forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Logits per segment, as `Transformer.forward_segments` returns them."""
+        valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
+                  for s in segments]
+        n = sum(int(v.sum()) for v in valids)
+        bucket = next((b for b in self.buckets if b >= n), None)
+        if bucket is None:
+            self.eager_forwards += self.compile
+            return self.model.forward_segments(segments, self.cache)
+        if len(segments) == 1 and segments[0].rows is None:
+            s = segments[0]
+            plans = [self.cache.plan(s.positions, s.valid)]
+        else:
+            plans = self.model.plan_segments(self.cache, segments)  # books them all (a refusal rolls back)
+        packed = Packed([v.to(segments[0].ids.device) for v in valids])
+        ids, pos = self.bufs[bucket]
+        ids.zero_()
+        pos.zero_()
+        ids[:n] = packed.pack([s.ids for s in segments])
+        pos[:n] = packed.pack([s.positions for s in segments])
+        b = self.batch
+        b.plans, b.packed, b.attended = plans, packed, set()
+        try:
+            hidden = self.fn(ids, pos, b.handle)  # [bucket, dim]
+            if len(b.attended) != self.model.cfg.n_layers:
+                raise SetupError(f"a compiled flat forward attended {len(b.attended)} of {self.model.cfg.n_layers} "
+                                 "layers: its graph does not call the cache's attention in every layer")
+        finally:
+            b.plans = b.packed = None
+        self.compiled_forwards += 1
+        return self.model.segment_logits(hidden[:n], packed, segments, normed=True)
+
+
+def compiled_runner(model, cache, max_tokens: int, backend: str = "inductor") -> ModelRunner:
+    """A compiled `ModelRunner` of flat batches up to `max_tokens` tokens, every bucket
+    compiled now (`warm`; a damaged compile cache retried once in a fresh folder,
+    `compile_retrying`), so that no request pays a compile."""
+    from decodelab.decoding.compiled import compile_retrying
+
+    def build() -> ModelRunner:
+        r = ModelRunner(model, cache, compile=True, max_tokens=max_tokens, backend=backend)
+        r.warm()
+        return r
+    return compile_retrying(build)
