@@ -2,8 +2,15 @@
 allows, decode together and leave when done; a finished request's cache row serves the
 next one at once.
 
+The engine is the scheduler: admission, the KV budget, preemption, chunking and prefix
+mapping decide each step, which it hands to the model runner as a plain value
+(`StepPlan`: the decoding rows with their last tokens, the prefill chunks' token ids, the
+output left); the runner (decoding/runner.py, `ModelRunner.execute`) runs it, samples, and
+returns a plain value (`StepOutput`: tokens per row), which the engine applies to the
+requests (`_apply`: output, EOS and length, finished rows released, prefixes offered).
+
 An engine step is one forward over segments (`Transformer.forward_segments`) built from
-the running requests (the exceptions are at the end of this paragraph):
+the step (the exceptions are at the end of this paragraph):
 - the decode rows: each decoding request feeds its last token (one row per request; the
   run of rows from the first decoding row to the last, so a dense cache reads it in place,
   the idle rows inside it riding along as padding);
@@ -80,9 +87,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.decoding.generate import _length, new_tokens_problems
-from decodelab.decoding.prefill import prompt_segment, token_id_problems
+from decodelab.decoding.prefill import token_id_problems
+from decodelab.decoding.runner import Chunk, ModelRunner, StepOutput, StepPlan, compiled_runner
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
-from decodelab.models.transformer import Segment
 
 POLICIES = ("decode-first", "prefill-first")
 
@@ -244,7 +251,7 @@ class Engine:
         raise_if(engine_problems(cache, decoder, token_budget, policy, max_running, kv_budget_mb)
                  + bad_headroom + decoder.problems(model, cache)
                  + engine_compile_problems(cache, decoder, compile, compile_flat))
-        self.compile, self.compile_flat, self.static, self.runner = compile, compile_flat, None, None
+        self.compile, self.compile_flat, self.runner = compile, compile_flat, None
         self.model, self.cache, self.decoder = model, cache, decoder
         self.token_budget, self.policy, self.chunked = token_budget, policy, chunked_prefill
         self.max_running = min(max_running or cache.batch_size, cache.batch_size)
@@ -283,23 +290,19 @@ class Engine:
         self.decoder.begin(self.model.device, [[0]] * self.cache.batch_size, self.cache.capacity,
                            **({"compile": True} if self.compile and self.decoder.lookahead else {}))
         compile_s = getattr(self.decoder, "compile_s", 0.0)
-        if self.compile and self.static is None:  # compiled now (on the emptied cache), not in a request
-            from decodelab.decoding.compiled import compiled_step, compiled_verify
-
-            from decodelab.decoding.runner import compiled_runner
-
-            t = time.perf_counter()  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
-            self.static = compiled_verify(self.model, self.cache, self.decoder) if self.decoder.lookahead else \
-                compiled_step(self.model, self.cache)
-            # every other forward (mixed, some rows, chunks): flat token batches of up to a step's tokens
-            if self.compile_flat:
+        if self.runner is None:  # compiled now (on the emptied cache), not in a request
+            t = time.perf_counter()
+            if self.compile_flat:  # the forwards the static step does not serve: flat batches of a step's tokens
                 self.runner = compiled_runner(self.model, self.cache,
                                               self.token_budget + self.cache.batch_size * self.decoder.lookahead)
-            compile_s += time.perf_counter() - t
-        if self.runner is None:
-            from decodelab.decoding.runner import ModelRunner
+            else:
+                self.runner = ModelRunner(self.model, self.cache)
+            if self.compile:  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
+                from decodelab.decoding.compiled import compiled_step, compiled_verify
 
-            self.runner = ModelRunner(self.model, self.cache)
+                self.runner.static = compiled_verify(self.model, self.cache, self.decoder) \
+                    if self.decoder.lookahead else compiled_step(self.model, self.cache)
+            compile_s += time.perf_counter() - t
         flat_before = self.runner.compiled_forwards
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request
@@ -318,13 +321,8 @@ class Engine:
             self._map_cached_prefixes()
             preempted += self._fit_budget()
             decode, chunks = self._plan()
-            try:
-                if chunks and self.decoder.lookahead and decode:
-                    self._speculate(decode, clock, chunks)  # the verify and the chunks: one forward
-                elif chunks:
-                    self._mixed(decode, chunks, clock)  # one read of the weights for every row and chunk
-                elif decode:
-                    self._decode(decode, clock)
+            try:  # the runner runs the plain value the scheduler made of them
+                out = self.runner.execute(self._step(decode, chunks), self.decoder)
             except PoolExhausted:  # the cache refused the forward, unchanged: make room, plan again
                 if len(self.running) < 2 or self.decoder.lookahead:  # a drafter has moved on: not recoverable
                     raise
@@ -335,6 +333,8 @@ class Engine:
                 self._preempt(max(self.running.values(), key=lambda r: r.order))
                 preempted += 1
                 continue
+            self._compiled_steps += out.compiled
+            self._apply(decode, chunks, out, clock)
             steps += 1
             timeline.append({"t": clock(), "running": len(self.running), "waiting": len(self.waiting),
                              "kv_bytes": self._used(), "decode_rows": len(decode),
@@ -459,131 +459,33 @@ class Engine:
             chunks = [(prefill[0], len(prefill[0].feed) - prefill[0].fed if not self.chunked else 1)]
         return decode, chunks
 
-    def _decode(self, decode: list[_Running], clock) -> None:
-        """One forward over the decoding rows (`_decode_rows`), each feeding its last token
-        (a speculative decoder drafts, verifies and may emit several, over every row)."""
-        if self.decoder.lookahead:
-            return self._speculate(decode, clock)
-        if self.static is not None and len(decode) == self.cache.batch_size:  # every row decodes: the static step
-            last = torch.zeros(self.cache.batch_size, dtype=torch.long)
-            for r in decode:
-                last[r.row] = r.res.tokens[-1]
-            logits = self.static.step(last.to(self.model.device))  # [B, V]
-            self._compiled_steps += 1
-            self._emit(decode, [[t] for t in self.decoder.start(logits[[r.row for r in decode]]).tolist()], clock)
-            return
-        seg, at = self._decode_segment(decode, self._decode_rows(decode))
-        logits = self.runner.forward_segments([seg])[0]  # [b, 1, V]
-        self._emit(decode, [[t] for t in self.decoder.start(logits[[at[r.row] for r in decode], 0]).tolist()], clock)
+    def _step(self, decode: list[_Running], chunks: list[tuple[_Running, int]]) -> StepPlan:
+        """This step as the plain value the runner takes (`StepPlan`)."""
+        feeds = tuple(Chunk(r.row, tuple(r.feed[r.fed:r.fed + c]), r.fed + c == len(r.feed)) for r, c in chunks)
+        return StepPlan(tuple((r.row, r.res.tokens[-1]) for r in decode), feeds,
+                        max((r.req.max_new_tokens - len(r.res.tokens) for r in decode), default=0))
 
-    def _decode_rows(self, decode: list[_Running], busy=()) -> list[int]:
-        """The cache rows a decode forward runs over: the run of rows from the first decoding
-        row to the last (a dense cache reads a run of rows in place; the idle rows inside it
-        ride along as padding), or, where a row that is `busy` elsewhere in the forward
-        sits inside that run, the decoding rows alone."""
-        rows = sorted(r.row for r in decode)
-        run = list(range(rows[0], rows[-1] + 1))
-        return rows if set(run) & set(busy) else run
-
-    def _decode_segment(self, decode: list[_Running], rows: list[int]) -> tuple[Segment, dict[int, int]]:
-        """The decoding requests' last tokens at their rows' next positions, over `rows`
-        (the others: padding), and where each cache row sits in it."""
-        dev = self.model.device
-        at = {row: i for i, row in enumerate(rows)}
-        last = torch.zeros(len(rows), 1, dtype=torch.long)
-        valid = torch.zeros(len(rows), 1, dtype=torch.bool)
-        for r in decode:
-            last[at[r.row], 0], valid[at[r.row], 0] = r.res.tokens[-1], True
-        pos = self.cache.lengths[rows].clamp(max=self.cache.capacity - 1)[:, None].clone()  # [b, 1]
-        first = torch.zeros(len(rows), 1, dtype=torch.long, device=dev)  # each row's logits at its one token
-        return Segment(last.to(dev), pos.to(dev), valid.to(dev), rows, first), at
-
-    def _mixed(self, decode: list[_Running], chunks: list[tuple[_Running, int]], clock) -> None:
-        """One forward over segments (`Transformer.forward_segments`): the decode rows (if
-        any) feed their last token (`_decode_rows`), and the prefill chunks come as THE
-        prefill places them (`prompt_segment`; a chunk of `OWN_FORWARD` tokens or more in a
-        segment of its own, the short ones together). The position-wise work runs once for
-        all their tokens (one read of the weights); each segment attends on its own, so no
-        decode row computes a chunk's queries."""
-        segments = []
+    def _apply(self, decode: list[_Running], chunks: list[tuple[_Running, int]], out: StepOutput, clock) -> None:
+        """What the step produced, into the requests: each decoding request's new tokens
+        (a speculative decoder hears how many its output kept), then each chunk's tokens
+        counted as cached, its row offering the prompt blocks it holds so far (a request
+        admitted meanwhile maps them, `_map_cached_prefixes`), and a request whose prompt
+        is done emits its first token."""
         if decode:
-            seg, at = self._decode_segment(decode, self._decode_rows(decode, busy=[r.row for r, _ in chunks]))
-            segments.append(seg)
-        groups = self._chunk_groups(chunks)
-        segments += [prompt_segment(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in g],
-                                    [r.row for r, _ in g]) for g in groups]
-        logits = self.runner.forward_segments(segments)
-        if decode:
-            self._emit(decode, [[t] for t in self.decoder.start(logits[0][[at[r.row] for r in decode], 0]).tolist()],
-                       clock)
-        for g, lg in zip(groups, logits[len(segments) - len(groups):]):
-            self._prefilled(g, lg[:, 0], clock)
-
-    def _speculate(self, decode: list[_Running], clock, chunks: list[tuple[_Running, int]] = ()) -> None:
-        """One draft-and-verify round of the decoder over every cache row; the rows that are
-        not decoding are frozen (their caches do not grow). The verify is one forward with
-        this step's prefill chunks (`forward_segments`: the decoding rows' gamma + 1 tokens as
-        one segment, the chunks as THE prefill places them), as a plain decode step is."""
-        B = self.cache.batch_size
-        last = torch.zeros(B, dtype=torch.long)
-        done = [True] * B
-        for r in decode:
-            last[r.row], done[r.row] = r.res.tokens[-1], False
-        left = max(r.req.max_new_tokens - len(r.res.tokens) for r in decode)
-        groups = self._chunk_groups(list(chunks))
-        prefilled = []
-
-        def forward(ids, positions, valid):  # [B, G + 1] each: the decoding rows verify, the chunks prefill
-            rows = sorted(r.row for r in decode)
-            verify = Segment(ids[rows], positions[rows], valid[rows], rows)
-            segments = [verify] + [prompt_segment(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in g],
-                                                  [r.row for r, _ in g]) for g in groups]
-            logits = self.runner.forward_segments(segments)
-            prefilled.extend(lg[:, 0] for lg in logits[1:])
-            full = logits[0].new_zeros(B, *logits[0].shape[1:])  # [B, G + 1, V]: the frozen rows' are never read
-            full[rows] = logits[0]
-            return full
-
-        verify = forward if groups or self.compile_flat else None  # compile_flat: the runner's flat forward
-        compiled = not groups and self.static is not None and len(decode) == B
-        if compiled:  # every row verifies, nothing else in the step: the compiled verify (VerifyForward)
-            static, before = self.static, self.static.steps
-
-            def verify(ids, positions, valid):  # a shorter last round: the runner (eager, or flat)
-                return static(ids, positions, valid) if static.fits(ids, valid) else forward(ids, positions, valid)
-        produced = self.decoder.step(self.model, self.cache, last.to(self.model.device), done=done, left=left,
-                                     forward=verify)
-        if compiled:  # (a shorter last round verifies eagerly)
-            self._compiled_steps += self.static.steps - before
-        for g, lg in zip(groups, prefilled):
-            self._prefilled(g, lg, clock)
-        kept = [0] * B
-        for r, n in zip(decode, self._emit(decode, [produced[r.row] for r in decode], clock)):
-            kept[r.row] = n
-        self.decoder.output_kept(kept)
-
-    #: a prefill chunk of at least this many tokens gets a segment (or, beside a
-    #: speculative decoder, a forward) of its own: its attention then pays no padding
-    OWN_FORWARD = 64
-
-    def _chunk_groups(self, chunks: list[tuple[_Running, int]]) -> list[list[tuple[_Running, int]]]:
-        """Each long chunk alone, the short ones together (right-padded)."""
-        long = [[rc] for rc in chunks if rc[1] >= self.OWN_FORWARD]
-        short = [rc for rc in chunks if rc[1] < self.OWN_FORWARD]
-        return long + ([short] if short else [])
-
-    def _prefilled(self, chunks: list[tuple[_Running, int]], logits: torch.Tensor, clock) -> None:
-        """The chunks are in the cache (their rows' last logits [b, V]): each row offers
-        the prompt blocks it holds so far (a request admitted meanwhile maps them,
-        `_map_cached_prefixes`), and a request whose prompt is done emits its first token."""
+            kept = self._emit(decode, [out.tokens[r.row] for r in decode], clock)
+            if self.decoder.lookahead:
+                per_row = [0] * self.cache.batch_size
+                for r, n in zip(decode, kept):
+                    per_row[r.row] = n
+                self.decoder.output_kept(per_row)
         done = []
-        for b, (r, c) in enumerate(chunks):
+        for r, c in chunks:
             r.fed += c
             self.cache.remember_prefix([r.feed[:r.fed]], [r.row])
             if not r.prefilling:
-                done.append(b)
+                done.append(r)
         if done:
-            self._emit([chunks[b][0] for b in done], [[t] for t in self.decoder.start(logits[done]).tolist()], clock)
+            self._emit(done, [[out.first[r.row]] for r in done], clock)
 
     def _emit(self, rs: list[_Running], tokens: list[list[int]], clock) -> list[int]:
         """Append each request's new tokens (stopping at EOS or max_new_tokens: a finished

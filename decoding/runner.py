@@ -26,9 +26,11 @@ count, attention outside it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from decodelab.decoding.prefill import prompt_segment
 from decodelab.models.errors import SetupError
 from decodelab.models.handles import Handles
 from decodelab.models.transformer import Packed, Segment
@@ -108,6 +110,36 @@ def register_flat_attend() -> None:
     _REGISTERED = True
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A prefill chunk: these prompt tokens of the request in cache `row`, after what the
+    row holds; `last`: they end its prompt (its row then samples its first token)."""
+
+    row: int
+    tokens: tuple[int, ...]
+    last: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one serving-engine step runs, as the scheduler decides it (decoding/engine.py)
+    and `ModelRunner.execute` runs it: a plain value, no request objects."""
+
+    decode: tuple[tuple[int, int], ...] = ()  # (cache row, its last token) of every decoding request
+    chunks: tuple[Chunk, ...] = ()
+    left: int = 0  # the most tokens a decoding request may still emit (a speculative round drafts no further)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step produced: tokens per decoding row (one, or a speculative round's
+    accepted drafts and one more) and the first token of every row whose prompt ended."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    first: dict[int, int] = field(default_factory=dict)
+    compiled: int = 0  # forwards through the compiled static step
+
+
 class ModelRunner:
     """Runs a model's forwards over one cache (module docstring): `forward_segments`,
     eager or, with `compile`, as flat token batches of up to `max_tokens` tokens through
@@ -115,6 +147,9 @@ class ModelRunner:
 
     def __init__(self, model, cache, compile: bool = False, max_tokens: int = 256, backend: str = "inductor"):
         self.model, self.cache, self.compile = model, cache, compile
+        #: the compiled static step (`compiled_step`) or verify (`compiled_verify`) a step in
+        #: which every row decodes (verifies) runs through; None: none
+        self.static = None
         self.buckets = buckets_for(max_tokens) if compile else ()
         self.compiled_forwards = self.eager_forwards = 0
         self.compile_s = 0.0
@@ -181,6 +216,125 @@ class ModelRunner:
             b.plans = b.packed = None
         self.compiled_forwards += 1
         return self.model.segment_logits(hidden[:n], packed, segments, normed=True)
+
+    # -- an engine step ---------------------------------------------------------------------
+    #: a prefill chunk of at least this many tokens gets a segment of its own: its attention
+    #: then pays no padding
+    OWN_FORWARD = 64
+
+    @torch.no_grad()
+    def execute(self, step: StepPlan, decoder) -> StepOutput:
+        """Run one engine step with `decoder` (its sampling, its speculative round): the
+        decode rows and the chunks in one forward (`forward_segments`; each long chunk a
+        segment of its own, the short ones together, as THE prefill places them), a
+        speculative decoder's verify as one segment of it; a step in which every row
+        decodes (verifies) alone through the static step where there is one."""
+        if step.decode and decoder.lookahead:
+            return self._speculate(step, decoder)
+        if step.chunks:
+            return self._mixed(step, decoder)
+        if step.decode:
+            return self._decode(step, decoder)
+        return StepOutput()
+
+    def _decode(self, step: StepPlan, decoder) -> StepOutput:
+        rows, B = [r for r, _ in step.decode], self.cache.batch_size
+        if self.static is not None and len(rows) == B:  # every row decodes: the static step
+            last = torch.zeros(B, dtype=torch.long)
+            for r, t in step.decode:
+                last[r] = t
+            logits = self.static.step(last.to(self.model.device))  # [B, V]
+            return StepOutput({r: [t] for r, t in zip(rows, decoder.start(logits[rows]).tolist())}, {}, 1)
+        seg, at = self._decode_segment(step.decode, self._decode_rows(rows))
+        logits = self.forward_segments([seg])[0]  # [b, 1, V]
+        return StepOutput({r: [t] for r, t in zip(rows, decoder.start(logits[[at[r] for r in rows], 0]).tolist())})
+
+    def _mixed(self, step: StepPlan, decoder) -> StepOutput:
+        rows, segments = [r for r, _ in step.decode], []
+        if rows:
+            seg, at = self._decode_segment(step.decode, self._decode_rows(rows, busy=[c.row for c in step.chunks]))
+            segments.append(seg)
+        groups = self._chunk_groups(step.chunks)
+        segments += [self._chunk_segment(g) for g in groups]
+        logits = self.forward_segments(segments)
+        tokens = {}
+        if rows:
+            tokens = {r: [t] for r, t in zip(rows, decoder.start(logits[0][[at[r] for r in rows], 0]).tolist())}
+        first = {}
+        for g, lg in zip(groups, logits[len(segments) - len(groups):]):
+            first |= self._first_tokens(g, lg[:, 0], decoder)
+        return StepOutput(tokens, first)
+
+    def _speculate(self, step: StepPlan, decoder) -> StepOutput:
+        """One draft-and-verify round of the decoder over every cache row; the rows that
+        are not decoding are frozen (their caches do not grow). The verify is one forward
+        with the step's chunks (the decoding rows' gamma + 1 tokens as one segment)."""
+        B, dev = self.cache.batch_size, self.model.device
+        last, done = torch.zeros(B, dtype=torch.long), [True] * B
+        for r, t in step.decode:
+            last[r], done[r] = t, False
+        rows = sorted(r for r, _ in step.decode)
+        groups = self._chunk_groups(step.chunks)
+        prefilled = []
+
+        def forward(ids, positions, valid):  # [B, G + 1] each: the decoding rows verify, the chunks prefill
+            segments = [Segment(ids[rows], positions[rows], valid[rows], rows)]
+            logits = self.forward_segments(segments + [self._chunk_segment(g) for g in groups])
+            prefilled.extend(lg[:, 0] for lg in logits[1:])
+            full = logits[0].new_zeros(B, *logits[0].shape[1:])  # [B, G + 1, V]: the frozen rows' are never read
+            full[rows] = logits[0]
+            return full
+
+        verify = forward if groups or self.compile else None  # compiled: the flat forward
+        static = self.static if not groups and len(rows) == B else None
+        before = static.steps if static is not None else 0
+        if static is not None:  # every row verifies, nothing else in the step: the compiled verify
+
+            def verify(ids, positions, valid):  # a shorter last round: the runner's forward
+                return static(ids, positions, valid) if static.fits(ids, valid) else forward(ids, positions, valid)
+        produced = decoder.step(self.model, self.cache, last.to(dev), done=done, left=step.left, forward=verify)
+        first = {}
+        for g, lg in zip(groups, prefilled):
+            first |= self._first_tokens(g, lg, decoder)
+        return StepOutput({r: produced[r] for r, _ in step.decode}, first,
+                          static.steps - before if static is not None else 0)
+
+    def _decode_rows(self, rows: list[int], busy=()) -> list[int]:
+        """The cache rows a decode forward runs over: the run of rows from the first decoding
+        row to the last (a dense cache reads a run of rows in place; the idle rows inside it
+        ride along as padding), or, where a row that is `busy` elsewhere in the forward
+        sits inside that run, the decoding rows alone."""
+        rows = sorted(rows)
+        run = list(range(rows[0], rows[-1] + 1))
+        return rows if set(run) & set(busy) else run
+
+    def _decode_segment(self, decode, rows: list[int]) -> tuple[Segment, dict[int, int]]:
+        """The decoding rows' last tokens at their next positions, over `rows` (the others:
+        padding), and where each cache row sits in it."""
+        dev = self.model.device
+        at = {row: i for i, row in enumerate(rows)}
+        last = torch.zeros(len(rows), 1, dtype=torch.long)
+        valid = torch.zeros(len(rows), 1, dtype=torch.bool)
+        for r, t in decode:
+            last[at[r], 0], valid[at[r], 0] = t, True
+        pos = self.cache.lengths[rows].clamp(max=self.cache.capacity - 1)[:, None].clone()  # [b, 1]
+        first = torch.zeros(len(rows), 1, dtype=torch.long, device=dev)  # each row's logits at its one token
+        return Segment(last.to(dev), pos.to(dev), valid.to(dev), rows, first), at
+
+    def _chunk_groups(self, chunks) -> list[list[Chunk]]:
+        """Each long chunk alone, the short ones together (right-padded)."""
+        long = [[c] for c in chunks if len(c.tokens) >= self.OWN_FORWARD]
+        short = [c for c in chunks if len(c.tokens) < self.OWN_FORWARD]
+        return long + ([short] if short else [])
+
+    def _chunk_segment(self, group: list[Chunk]) -> Segment:
+        return prompt_segment(self.model, self.cache, [list(c.tokens) for c in group], [c.row for c in group])
+
+    @staticmethod
+    def _first_tokens(group: list[Chunk], logits: torch.Tensor, decoder) -> dict[int, int]:
+        """The first token of each chunk's row whose prompt it ends (logits [b, V])."""
+        done = [b for b, c in enumerate(group) if c.last]
+        return {group[b].row: t for b, t in zip(done, decoder.start(logits[done]).tolist())} if done else {}
 
 
 def compiled_runner(model, cache, max_tokens: int, backend: str = "inductor") -> ModelRunner:

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     from decodelab.cache.dense import DenseCache
     from decodelab.decoding import SpeculativeDecoder, make_cache, prefill
     from decodelab.decoding.drafters import quantized_self
-    from decodelab.decoding.engine import Engine, Request, serve
+    from decodelab.decoding.engine import Request, serve
+    from decodelab.decoding.runner import ModelRunner, StepOutput, StepPlan
     from decodelab.experiments.harness import run_conditions
     from decodelab.experiments.workloads import ShareGPT
     from decodelab.models import load
@@ -39,23 +40,24 @@ def main(argv: list[str] | None = None) -> None:
     lm = load("smollm2-135m", device="cpu")
     reqs = ShareGPT(n=a.requests, seed=0)(lm)
     prompts = [lm.tokenizer.encode(r.prompt, chat=True) for r in reqs]
-    shared_speculate = Engine._speculate
+    shared_speculate = ModelRunner._speculate
 
-    def separate(self, decode, clock, chunks=()):  # the earlier engine: verify alone, then the chunks,
-        shared_speculate(self, decode, clock)  # a forward per group as THE prefill on those rows
-        for group in self._chunk_groups(list(chunks)):
-            logits = prefill(self.model, self.cache, [r.feed[r.fed:r.fed + c] for r, c in group],
-                             rows=[r.row for r, _ in group])  # [b, V]
-            self._prefilled(group, logits, clock)
+    def separate(self, step, decoder):  # the earlier engine: verify alone, then the chunks,
+        out = shared_speculate(self, StepPlan(step.decode, (), step.left), decoder)
+        first = dict(out.first)
+        for group in self._chunk_groups(step.chunks):  # a forward per group as THE prefill on those rows
+            logits = prefill(self.model, self.cache, [list(c.tokens) for c in group], rows=[c.row for c in group])
+            first |= self._first_tokens(group, logits, decoder)  # logits [b, V]
+        return StepOutput(out.tokens, first, out.compiled)
 
     def run(mode: str):
-        Engine._speculate = shared_speculate if mode == "shared" else separate
+        ModelRunner._speculate = shared_speculate if mode == "shared" else separate
         try:
             decoder = SpeculativeDecoder(quantized_self(lm, "int8", cache=DenseCache))
             cache = make_cache(lm.model, a.rows, max(map(len, prompts)) + a.new + decoder.lookahead, DenseCache)
             r = serve(lm.model, cache, decoder, [Request(p, a.new, 0.0, i) for i, p in enumerate(prompts)])
         finally:
-            Engine._speculate = shared_speculate
+            ModelRunner._speculate = shared_speculate
         return sum(len(x.tokens) for x in r.requests) / r.wall_s, [x.tokens for x in r.requests]
 
     tok_s, tokens = {"shared": [], "separate": []}, {}

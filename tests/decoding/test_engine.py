@@ -16,6 +16,7 @@ from decodelab.cache.sliding import SlidingCache
 from decodelab.decoding import Request, generate, greedy, serve
 from decodelab.decoding.decoders import SamplingDecoder
 from decodelab.decoding.engine import POLICIES, Engine
+from decodelab.decoding.runner import ModelRunner
 from decodelab.decoding.speculative import SpeculativeDecoder
 from decodelab.models.errors import SetupError
 from tests.conftest import cache_for, random_ids
@@ -72,7 +73,7 @@ def test_engine_output_equals_each_request_alone(tiny_models, alone, name, backe
     assert all(x.finish_reason == "length" and len(x.token_times) == NEW for x in r.requests)
     assert all(x.ttft_s > 0 and x.queue_s >= 0 for x in r.requests)
     assert max(t["running"] for t in r.timeline) == 3  # the rows were shared, not run one by one
-    if token_budget < max(LENGTHS):  # prompts in chunks beside decode rows: shared forwards (`Engine._mixed`)
+    if token_budget < max(LENGTHS):  # prompts in chunks beside decode rows: shared forwards (`ModelRunner._mixed`)
         assert policy == "prefill-first" or any(t["decode_rows"] and t["prefill_tokens"] for t in r.timeline)
     if policy == "prefill-first":
         assert not any(t["decode_rows"] and t["prefill_tokens"] for t in r.timeline)
@@ -84,7 +85,7 @@ def test_a_prefill_only_step_runs_every_chunk_in_one_forward(tiny_models, alone,
     (one read of the weights), a long chunk a segment of its own; outputs unchanged."""
     m = tiny_models["llama"].model
     prompts, expected = alone["llama", backend]
-    monkeypatch.setattr(Engine, "OWN_FORWARD", 20)  # chunks of 25-40 tokens: segments of their own
+    monkeypatch.setattr(ModelRunner, "OWN_FORWARD", 20)  # chunks of 25-40 tokens: segments of their own
     calls = []
     real = m.forward_segments
 
@@ -453,5 +454,5 @@ def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):
         Engine(m, cache_for(m, 2, 64), SpeculativeDecoder(prompt_lookup(), gamma=2, adaptive=True), compile=True)
     with pytest.raises(SetupError, match="compile must be true or false, got 'yes'"):
         Engine(m, cache_for(m, 2, 64), greedy(), compile="yes")
-    with pytest.raises(SetupError, match=r"compile_flat must .* true only with compile=True .* got True \(compile=False\)"):
+    with pytest.raises(SetupError, match=r"compile_flat must .* only with compile=True .* got True \(compile=False\)"):
         Engine(m, cache_for(m, 2, 64), greedy(), compile_flat=True)
