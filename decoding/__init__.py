@@ -9,8 +9,9 @@ from decodelab.decoding.prefill import prefill
 from decodelab.decoding.sampling import SamplingParams, choose, logits_to_probs, sample
 from decodelab.decoding.speculative import SpeculativeDecoder, rejection_sample
 from decodelab.decoding.text import generate_text, make_cache, stream
+from decodelab.decoding.tree_speculative import TreeSpeculativeDecoder
 
-__all__ = ["SamplingDecoder", "greedy", "SpeculativeDecoder", "rejection_sample",
+__all__ = ["SamplingDecoder", "greedy", "SpeculativeDecoder", "TreeSpeculativeDecoder", "rejection_sample",
            "ModelDrafter", "PromptLookupDrafter", "EarlyExit", "early_exit", "quantized_self", "prompt_lookup",
            "draft_model", "Engine", "Request", "serve", "GenerationResult", "TokenEvent", "generate", "stream_tokens",
            "generate_text", "stream", "make_cache", "prefill", "SamplingParams", "choose", "logits_to_probs", "sample"]

@@ -230,22 +230,45 @@ class PromptLookupDrafter:
         q = torch.nn.functional.one_hot(self._draft, self.vocab_size).float()
         return self._draft, q
 
+    def propose_tree(self, last: torch.Tensor, depth: int, width: int) -> list[list[list[int]]]:
+        """Per row, up to `width` distinct continuations of `depth` tokens (a tree decoder's
+        candidates, decoding/tree_speculative.py): what followed the matches of the longest
+        n-gram first, latest match first, then shorter n-grams'."""
+        out = []
+        for h, t in zip(self.history, last.tolist()):
+            h.append(t)
+            out.append(self._lookups(h, depth, width))
+        return out
+
     def _lookup(self, h: list[int], gamma: int) -> list[int]:
+        return self._lookups(h, gamma, 1)[0]
+
+    def _lookups(self, h: list[int], gamma: int, width: int) -> list[list[int]]:
+        found = []
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             tail = h[-n:]
             for s in range(len(h) - n - 1, -1, -1):  # latest earlier occurrence first
                 if h[s:s + n] == tail:
                     follow = h[s + n: s + n + gamma]
-                    return follow + [follow[-1]] * (gamma - len(follow))
-        return [h[-1]] * gamma  # no match: repeat the last token (verified like any draft)
+                    follow = follow + [follow[-1]] * (gamma - len(follow))
+                    if follow not in found:
+                        found.append(follow)
+                        if len(found) == width:
+                            return found
+        return found or [[h[-1]] * gamma]  # no match: repeat the last token (verified like any draft)
 
     def commit(self, n: torch.Tensor, nxt: torch.Tensor, active: torch.Tensor) -> None:
         """The history keeps the accepted drafts; the next token arrives as `last`."""
+        self.accept([self._draft[b, : int(n[b])].tolist() for b in range(len(self.history))], active)
+
+    def accept(self, drafts: list[list[int]], active: torch.Tensor) -> None:
+        """Each active row's history keeps its accepted drafts; a frozen row's drops the
+        `last` it was given (it comes again next round)."""
         for b, h in enumerate(self.history):
             if bool(active[b]):
-                h.extend(self._draft[b, : int(n[b])].tolist())
+                h.extend(drafts[b])
             else:
-                h.pop()  # frozen row: `last` comes again next round
+                h.pop()
 
 
 # -- builders used by conf/draft/*.yaml (`target` is the target's LoadedModel) ----------

@@ -190,6 +190,10 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     if not (callable(getattr(decoder, "admit", None)) and callable(getattr(decoder, "release", None))):
         p.append(f"decoder {decoder!r} cannot serve requests that come and go: it has no `admit(row, tokens)` / "
                  "`release(row)` (decoding/decoders.py)")
+    if getattr(decoder, "verifies_tree", False):
+        p.append(f"decoder {decoder!r} verifies a tree of drafts in a forward of its own, which the serving engine's "
+                 "step (one forward shared with other rows' prefill chunks) does not run: use generate, or "
+                 "decoder=speculative")
     if getattr(decoder, "hidden_layers", ()):
         p.append(f"decoder {decoder!r} drafts from the target's hidden states (hidden_layers), which the serving "
                  "engine does not hand over yet (its prefill chunks and verify rounds would have to): use generate")

@@ -228,6 +228,11 @@ class SpeculativeDecoder:
         return tuple(getattr(self.drafter, "hidden_layers", ()))
 
     @property
+    def rollback_needed(self) -> int:
+        """Tokens a round may roll a row back: its drafts (the cache's `rollback_limit` must allow)."""
+        return self.gamma_max
+
+    @property
     def verify_tokens(self) -> int | None:
         """Tokens per row of every full verify (gamma + 1), where that number is fixed: not
         with adaptive gamma, nor with a drafter that reads the target's hidden states (its

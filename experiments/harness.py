@@ -283,10 +283,11 @@ def check(cfg: DictConfig) -> None:
         hint = "" if draft.get("cache") is not None else " (or give the draft a cache of its own: draft.cache=dense)"
         key = "draft.compile=true" if draft_compile else "compile=true (which compiles the draft's steps)"
         reasons += [f"{key}: {r}{hint}" for r in static_problems(draft_probe, "compile")]
-    lookahead = getattr(decoder, "gamma_max", 0) if decoder is not None else 0
+    lookahead = getattr(decoder, "rollback_needed", 0) if decoder is not None else 0
     if probe is not None and lookahead and probe.rollback_limit < lookahead:
         reasons.append(f"cache {cfg.cache._target_} can roll back {probe.rollback_limit} tokens but the decoder's "
-                       f"gamma needs {lookahead}; raise the cache's rollback/residual or lower gamma")
+                       f"gamma (a tree decoder: its nodes) needs {lookahead}; raise the cache's rollback/residual or "
+                       "lower gamma")
     if draft_probe is not None and draft_probe is not probe and lookahead and draft_probe.rollback_limit < lookahead:
         reasons.append(f"draft.cache {type(draft_probe).__name__} can roll back {draft_probe.rollback_limit} tokens "
                        f"but the decoder's gamma needs {lookahead}; lower gamma or choose another draft.cache")

@@ -58,7 +58,7 @@ def test_each_decoder_yaml_holds_its_targets_defaults(path):
     for key, value in options(path).items():
         assert key in params, f"{path.name}: {key} is not an option of {target(path)}"
         if value == "${oc.select:draft.gamma,4}":  # the draft's own gamma, as the decoder's None takes it
-            assert key == "gamma" and params[key].default is None
+            assert key in ("gamma", "depth") and params[key].default is None  # depth: the tree decoder's
             continue
         assert params[key].default == value, (
             f"{path.name}: {key}: {value!r}, but {target(path)} defaults to {params[key].default!r}")

@@ -239,3 +239,16 @@ def test_sweep_through_the_cluster_and_parallel_launchers(tmp_path, prompts, lau
     assert (sweep / "report.md").is_file()
     if launcher == "local":
         assert list((sweep / ".submitit").rglob("*_result.pkl"))  # went through submitit's job folders
+
+
+def test_the_tree_decoder_through_the_bench(tmp_path, prompts):
+    """decoder=tree draft=prompt-lookup: greedy speculative over a tree of drafts, identical
+    to greedy row by row, on a paged cache."""
+    cfg = config(*[a for a in TINY if not a.startswith("draft.")], "workload=jsonl", f"workload.path={prompts}",
+                 "max_new_tokens=8", "batch_size=2", "decoder=tree", "draft=prompt-lookup", "decoder.width=2",
+                 "compare_greedy=true", "cache=paged")
+    s = run(cfg, tmp_path)
+    recs = [json.loads(x) for x in (tmp_path / RESULTS).read_text().splitlines()[:-1]]
+    assert all(r["greedy"]["identical"] for r in recs)
+    assert s["metrics"]["greedy_identical"] == 1.0
+    assert s["setup"]["decoder"] == "decodelab.decoding.tree_speculative.TreeSpeculativeDecoder"

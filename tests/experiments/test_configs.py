@@ -24,7 +24,8 @@ def names(group: str) -> list[str]:
 @pytest.mark.parametrize("cache", names("cache"))
 @pytest.mark.parametrize("decoder", names("decoder"))
 def test_every_cache_decoder_combination_checks_and_builds(cache, decoder, tiny_models):
-    cfg = config(f"cache={cache}", f"decoder={decoder}", "draft=early-exit", "draft.layers=1")
+    draft = ["draft=prompt-lookup"] if decoder == "tree" else ["draft=early-exit", "draft.layers=1"]
+    cfg = config(f"cache={cache}", f"decoder={decoder}", *draft)
     harness.check(cfg)
     lm = tiny_models["llama"]
     factory, dec = harness.build(cfg, lm)
@@ -32,9 +33,10 @@ def test_every_cache_decoder_combination_checks_and_builds(cache, decoder, tiny_
     assert type(built).__name__ == {"dense": "DenseCache", "paged": "PagedCache", "int4": "QuantizedCache",
                                     "sliding": "SlidingCache"}[cache]
     assert type(dec).__name__ == {"greedy": "SamplingDecoder", "sampling": "SamplingDecoder",
-                                  "speculative": "SpeculativeDecoder"}[decoder]
-    assert dec.needs_drafter == (decoder == "speculative") and dec.lookahead == (5 if dec.needs_drafter else 0)
-    if dec.needs_drafter:  # the draft caches through the setup's own backend
+                                  "speculative": "SpeculativeDecoder", "tree": "TreeSpeculativeDecoder"}[decoder]
+    lookahead = {"speculative": 5, "tree": 13}.get(decoder, 0)  # gamma 4 + 1; 1 + width 3 x depth 4
+    assert dec.needs_drafter == (decoder in ("speculative", "tree")) and dec.lookahead == lookahead
+    if decoder == "speculative":  # the draft caches through the setup's own backend
         assert dec.drafter.cache_factory is factory
 
 
