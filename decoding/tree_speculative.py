@@ -5,9 +5,9 @@ Each round the drafter proposes up to `width` continuations of `depth` tokens pe
 (`propose_tree`: prompt lookup's latest matches of its n-grams, distinct ones first). They
 are merged into a trie under the row's last token (candidates that share a prefix share
 its nodes) and verified in ONE forward (`cache.plan(positions, parents=)`: each token sees
-its ancestors and what the row held); every row's tree is padded to the same number of
-nodes (1 + width x depth) with leaves under the root. The target's argmax is walked from
-the root while a child holds it; that path is kept (`cache.keep_branch`: its K/V moved to
+its ancestors and what the row held); every row's tree is padded to the largest row's
+number of nodes (at most 1 + width x depth) with leaves under the root. The target's
+argmax is walked from the root while a child holds it; that path is kept (`cache.keep_branch`: its K/V moved to
 consecutive slots, the rest dropped) and the target's next token follows it. Every token
 kept is the target's greedy choice after the ones before it, so the output is greedy
 decoding's (lossless at temperature 0; sampling is refused).
@@ -29,10 +29,11 @@ from decodelab.decoding.speculative import SpeculativeDecoder
 from decodelab.models.errors import SetupError, raise_if
 
 
-def trie(root: int, candidates: list[list[int]], size: int) -> tuple[list[int], list[int]]:
-    """Tokens and parents [size] of the tree: node 0 the root token (parent -1), each
-    candidate a chain under it sharing the nodes of an earlier candidate's equal prefix,
-    then leaves under the root (repeating the root token) up to `size` nodes."""
+def trie(root: int, candidates: list[list[int]], size: int | None = None) -> tuple[list[int], list[int]]:
+    """Tokens and parents of the tree: node 0 the root token (parent -1), each candidate a
+    chain under it sharing the nodes of an earlier candidate's equal prefix, then leaves
+    under the root (repeating the root token) up to `size` nodes (a larger tree is
+    refused; None: no padding)."""
     tokens, parents, child = [root], [-1], {}
     for chain in candidates:
         at = 0
@@ -42,6 +43,8 @@ def trie(root: int, candidates: list[list[int]], size: int) -> tuple[list[int], 
                 tokens.append(t)
                 parents.append(at)
             at = child[at, t]
+    if size is None:
+        return tokens, parents
     if len(tokens) > size:
         raise SetupError(f"a tree of {len(tokens)} nodes does not fit the verify's {size}")
     pad = size - len(tokens)
@@ -129,9 +132,9 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
         t0 = time.perf_counter()
         D, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)
-        T = 1 + self.width * D
         candidates = self.drafter.propose_tree(last, D, self.width)  # per row: up to width lists of D tokens
-        trees = [trie(int(t), c, T) for t, c in zip(last.tolist(), candidates)]
+        T = max(len(trie(int(t), c)[0]) for t, c in zip(last.tolist(), candidates))  # <= 1 + width x depth
+        trees = [trie(int(t), c, T) for t, c in zip(last.tolist(), candidates)]  # every row padded to the largest
         t1 = time.perf_counter()
         L = cache.lengths.clone()
         parents = torch.tensor([p for _, p in trees])  # [B, T]

@@ -62,6 +62,7 @@ def test_a_trie_shares_prefixes_and_pads_under_the_root():
     assert depths(parents) == [0, 1, 2, 3, 3, 1, 2, 3, 1, 1]
     with pytest.raises(SetupError, match="a tree of 4 nodes does not fit the verify's 3"):
         trie(7, [[1, 2, 3]], 3)
+    assert trie(7, [[1, 2, 3], [1, 5, 6]]) == ([7, 1, 2, 3, 5, 6], [-1, 0, 1, 2, 1, 4])  # unpadded
 
 
 def test_the_greedy_path_follows_the_argmax_through_the_first_matching_child():
