@@ -11,8 +11,8 @@ positions), from which the graph derives what it needs (`begin`: lengths, block 
 Each backend's `attend(layer, q, k, v, plan)` takes it like any plan and attends over its
 whole storage, masked by position: dense and sliding's full layers read their row-major
 buffers (on a CPU, for fp32, through decodelab's native kernel over only the slots each
-query sees), paged reads its block pools through the table (on a CPU gathered row-major for
-that native kernel), sliding's ring layers read
+query sees), paged reads its block pools through the table (on a CPU the native kernel reads
+them in place, decodelab::paged_decode_attention), sliding's ring layers read
 their rings by the positions the slots hold. On CUDA the cache writes and the attention
 stay outside torch.compile's graph (opaque calls a CUDA graph captures); on a CPU they are
 traced with the model into one graph.
@@ -24,7 +24,7 @@ import torch
 
 from decodelab.cache.base import StaticView, reference_attention
 from decodelab.cache.kernels.dispatch import resolve_impl, split_count
-from decodelab.cache.kernels.paged import gather_rows, paged_attention_reference, paged_attention_triton
+from decodelab.cache.kernels.paged import paged_attention_reference, paged_attention_triton
 from decodelab.models.errors import SetupError
 from decodelab.models.handles import Handles
 
@@ -165,11 +165,9 @@ class StaticPlan:
         for pool, new in ((k_pool, k), (v_pool, v)):
             pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
         lay = self.layout
-        if self.native:  # a CPU: the rows' slots gathered row-major, the native kernel reads those each query sees
-            bs, table = self.storage.block_size, self.storage.table
-            keys, values = gather_rows(k_pool, table, bs), gather_rows(v_pool, table, bs)  # [B, Hkv, S, D]
-            return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale,
-                                                        lay.windows[layer] or 0)
+        if self.native:  # a CPU: the native kernel reads the slots each query sees in place, through the table
+            return torch.ops.decodelab.paged_decode_attention(q, k_pool, v_pool, self.storage.table, self.pos,
+                                                              lay.softmax_scale, lay.windows[layer] or 0)
         return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
 

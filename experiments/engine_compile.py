@@ -246,3 +246,72 @@ def runner_times(steps: int = 10, rounds: int = 3, threads: int = 2, rows: int =
         print(json.dumps({"shape": name, "tokens": sum(int(s.ids.numel()) for s in segs), **med,
                           "flat_over_eager": round(med["flat_ms"] / med["eager_ms"], 3)}), flush=True)
     print(json.dumps({"conditions": {**run_conditions(m), "rows": rows, "context": 60}}))
+
+
+def paged_times(contexts=(60, 1000), batches=(1, 8), capacity: int = 1280, steps: int = 10, rounds: int = 3,
+                threads: int = 2) -> None:
+    """One compiled paged decode step (block size 16, `capacity` slots a row): the native
+    kernel reading the pools in place through the block table (decodelab::paged_decode_attention,
+    today's path) against the earlier path that gathered every slot the table addresses
+    row-major first (`gather_rows`, then decodelab::decode_attention), each compiled on its
+    own (torch.compiler.reset between); alternated `rounds` times, `steps` steps each after
+    2 warm-ups, rolled back after each; median of the rounds' means."""
+    import functools
+    import time
+
+    import torch
+
+    from decodelab.cache import static
+    from decodelab.cache.kernels.paged import gather_rows
+    from decodelab.cache.paged import PagedCache
+    from decodelab.decoding import make_cache, prefill
+    from decodelab.decoding.compiled import compiled_step
+    from decodelab.experiments.harness import run_conditions
+    from decodelab.models import load
+
+    torch.set_num_threads(threads)
+    m = load("smollm2-135m", device="cpu").model
+    in_place = static.StaticPlan.attend_pools
+
+    def gathered(self, layer, q, k, v):  # the path before the in-place kernel
+        k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]
+        for pool, new in ((k_pool, k), (v_pool, v)):
+            pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new
+        bs, table, lay = self.storage.block_size, self.storage.table, self.layout
+        keys, values = gather_rows(k_pool, table, bs), gather_rows(v_pool, table, bs)
+        return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale,
+                                                    lay.windows[layer] or 0)
+
+    for ctx in contexts:
+        for B in batches:
+            made, last = {}, torch.zeros(B, dtype=torch.long)
+            for name, fn in (("in_place", in_place), ("gathered", gathered)):
+                torch.compiler.reset()  # a compile of its own: the graph traces `fn`
+                static.StaticPlan.attend_pools = fn
+                try:
+                    st = compiled_step(m, make_cache(m, B, capacity, functools.partial(PagedCache, block_size=16)))
+                    prefill(m, st.cache, [[5 + i] * ctx for i in range(B)])
+                    held = st.cache.lengths.clone()
+                    with torch.no_grad():
+                        st.step(last)  # guarded: traced now, with `fn`; later steps replay that graph
+                        st.step(last)
+                    st.cache.truncate(held)
+                finally:
+                    static.StaticPlan.attend_pools = in_place
+                made[name] = st
+            ms = {k: [] for k in made}
+            with torch.no_grad():
+                for _ in range(rounds):
+                    for k, st in made.items():
+                        held = st.cache.lengths.clone()
+                        for i in range(steps + 2):
+                            if i == 2:
+                                t = time.perf_counter()
+                            st.step(last)
+                            st.cache.truncate(held)
+                        ms[k].append(1e3 * (time.perf_counter() - t) / steps)
+            r = {"context": ctx, "batch": B, "capacity": capacity,
+                 **{k + "_ms": round(statistics.median(v), 2) for k, v in ms.items()}}
+            r["in_place_over_gathered"] = round(r["in_place_ms"] / r["gathered_ms"], 3)
+            print(json.dumps(r), flush=True)
+    print(json.dumps({"conditions": run_conditions(m)}))

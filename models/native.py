@@ -137,6 +137,8 @@ def _build() -> None:
             lambda x, nib, scales, shifts, group_size: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::decode_attention")(
             lambda q, keys, values, pos, scale, window: q.new_empty(q.shape))
+        torch.library.register_fake("decodelab::paged_decode_attention")(
+            lambda q, k_pool, v_pool, table, pos, scale, window: q.new_empty(q.shape))
     except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
         _problem = (f"loading decodelab's native kernels from {out} failed ({type(e).__name__}: {e}); delete "
                     f"{out.parent} to rebuild them")
@@ -241,3 +243,13 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     pos [B, T] sees the slots at or before it (and, with a `window`, the `window` - 1
     before it); only those are read -> [B, Hq, T, D] (the operator decodelab::decode_attention)."""
     return _ops().decode_attention(q, keys, values, pos, scale, window or 0)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                           pos: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """`decode_attention` over a paged cache's block pools k_pool, v_pool [Hkv, N, bs, D]
+    read in place through the block table [B, M] (row b's slot s: block table[b, s // bs],
+    offset s % bs; block ids checked against N; -1, no block, reads block 0 as
+    `gather_rows` does) -> [B, Hq, T, D] (the operator
+    decodelab::paged_decode_attention)."""
+    return _ops().paged_decode_attention(q, k_pool, v_pool, table, pos, scale, window or 0)

@@ -233,8 +233,13 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
    once for the g query heads that share it. The work: (b, kv head, t) x C chunks of the seen
    slots (C so that every thread gets work), each chunk's softmax taken against its own max;
    the chunks then merge exactly (flash-decoding). Returns 0, or -1 when out of memory. */
+/* table (may be NULL): a paged cache's block table [B, M] (int64); then k, v are the block
+   pools [Hkv, N, bs, D] and slot s of row b lives in block table[b, s / bs] at offset s % bs
+   (S = M x bs; an entry of -1, no block, reads block 0); without it k, v are row-major
+   [B, Hkv, S, D]. */
 int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t* pos, int64_t B, int64_t Hq,
-                   int64_t Hkv, int64_t T, int64_t S, int64_t D, float scale, int64_t window, float* out) {
+                   int64_t Hkv, int64_t T, int64_t S, int64_t D, float scale, int64_t window, float* out,
+                   const int64_t* table, int64_t M, int64_t bs, int64_t N) {
     int64_t g = Hq / Hkv, rows = B * Hkv * T, threads = omp_get_max_threads();
     int64_t C = (2 * threads + rows - 1) / rows;
     if (C > 16) C = 16;
@@ -259,8 +264,11 @@ int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t
             if (window > 0 && p - window + 1 > 0) lo = p - window + 1;
             int64_t n = hi > lo ? hi - lo : 0;
             int64_t c0 = lo + n * c / C, c1 = lo + n * (c + 1) / C;
-            const float* kh = k + (b * Hkv + hk) * S * D;
-            const float* vh = v + (b * Hkv + hk) * S * D;
+            const float* kh = table ? k + hk * N * bs * D : k + (b * Hkv + hk) * S * D;
+            const float* vh = table ? v + hk * N * bs * D : v + (b * Hkv + hk) * S * D;
+            const int64_t* tb = table ? table + b * M : NULL;
+            /* a position of no block (-1) reads block 0, as the gather does: past the row's length */
+#define DL_SLOT(s) (tb ? ((tb[(s) / bs] > 0 ? tb[(s) / bs] : 0) * bs + (s) % bs) * D : (s) * D)
             float* pr = part + it * g * (D + 2);
             for (int64_t j = 0; j < g; j++) {
                 float* o = pr + j * (D + 2);
@@ -269,7 +277,7 @@ int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t
             }
             if (c1 <= c0) continue;
             for (int64_t s = c0; s < c1; s++) {
-                const float* ks = kh + s * D;
+                const float* ks = kh + DL_SLOT(s);
                 for (int64_t j = 0; j < g; j++) {
                     const float* qr = q + ((b * Hq + hk * g + j) * T + t) * D;
                     __m256 a = _mm256_setzero_ps();
@@ -287,7 +295,7 @@ int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t
                 pr[j * (D + 2) + 1] = sum;
             }
             for (int64_t s = c0; s < c1; s++) {
-                const float* vs = vh + s * D;
+                const float* vs = vh + DL_SLOT(s);
                 for (int64_t j = 0; j < g; j++) {
                     float* o = pr + j * (D + 2) + 2;
                     __m256 w = _mm256_set1_ps(sc[j * span + (s - c0)]);
@@ -296,6 +304,7 @@ int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t
                 }
             }
         }
+#undef DL_SLOT
         free(sc);
     }
     if (!failed) {  /* merge the chunks: each rescaled to the common max */

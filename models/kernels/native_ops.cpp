@@ -10,7 +10,7 @@ void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, flo
 int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
 int dl_decode_attn(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                   int64_t, int64_t, float, int64_t, float*);
+                   int64_t, int64_t, float, int64_t, float*, const int64_t*, int64_t, int64_t, int64_t);
 void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*,
                      uint16_t*);
 }
@@ -118,8 +118,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
     auto out = at::empty({B, Hq, T, D}, q.options());
     if (out.numel() == 0 || S == 0) return out.zero_();
     int rc = dl_decode_attn(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
-                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>());
+                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>(),
+                            nullptr, 0, 0, 0);
     TORCH_CHECK(rc == 0, "decodelab decode_attention: out of memory for the scores");
+    return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& table, const at::Tensor& pos, double scale, int64_t window) {
+    TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && table.dim() == 2,
+                "decodelab paged_decode_attention: q [B, Hq, T, D], pools [Hkv, N, bs, D], table [B, M]");
+    int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k_pool.size(0);
+    int64_t N = k_pool.size(1), bs = k_pool.size(2), M = table.size(1), S = M * bs;
+    TORCH_CHECK(table.size(0) == B && k_pool.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && bs > 0,
+                "decodelab paged_decode_attention: shapes q ", q.sizes(), " pools ", k_pool.sizes(), " table ",
+                table.sizes());
+    TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
+                v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() && v_pool.is_contiguous(),
+                "decodelab paged_decode_attention: contiguous float32 pools");
+    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T,
+                "decodelab paged_decode_attention: pos must be [B, T] = [", B, ", ", T, "]");
+    TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() &&
+                table.device().is_cpu() && pos.device().is_cpu(),
+                "decodelab paged_decode_attention: CPU tensors only");
+    auto qc = q.contiguous();
+    auto pc = pos.to(at::kLong).contiguous();
+    auto tc = table.to(at::kLong).contiguous();
+    if (tc.numel() > 0) {
+        int64_t lo = tc.min().item<int64_t>(), hi = tc.max().item<int64_t>();
+        TORCH_CHECK(lo >= -1 && hi < N, "decodelab paged_decode_attention: block ids must lie in [0, ", N,
+                    ") (or be -1: no block)");
+    }
+    auto out = at::empty({B, Hq, T, D}, q.options());
+    if (out.numel() == 0 || S == 0) return out.zero_();
+    int rc = dl_decode_attn(qc.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>(),
+                            tc.data_ptr<int64_t>(), M, bs, N);
+    TORCH_CHECK(rc == 0, "decodelab paged_decode_attention: out of memory for the scores");
     return out;
 }
 
@@ -128,6 +163,8 @@ TORCH_LIBRARY(decodelab, m) {
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
     m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window) -> Tensor");
+    m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor pos, float scale, "
+          "int window) -> Tensor");
     m.def("int4_dequant(Tensor nib, Tensor scales, Tensor shifts, int group_size, int o0, int n, "
           "Tensor(a!) out) -> ()");
 }
@@ -137,5 +174,6 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int4_mm", &int4_mm);
     m.impl("int8_dequant", &int8_dequant);
     m.impl("decode_attention", &decode_attention);
+    m.impl("paged_decode_attention", &paged_decode_attention);
     m.impl("int4_dequant", &int4_dequant);
 }

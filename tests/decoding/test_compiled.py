@@ -627,3 +627,39 @@ def test_host_attention_returns_the_layout_its_fake_promises(tiny_llama):
         plan.attend(0, q, k, v)  # ... a second pass without a new booking would store its K/V twice
     plan.book(cache, torch.arange(3, 6).expand(2, 3))
     assert plan.attend(0, q, k, v).shape == q.shape
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("T,groups", [(1, 1), (3, 2), (1, 8)])
+def test_native_paged_attention_reads_the_blocks_in_place(threads, window, T, groups):
+    """decodelab::paged_decode_attention over block pools through a table (shuffled blocks,
+    -1 past each row's blocks) equals the row-major kernel over the same rows gathered
+    (`gather_rows`), bit for bit: the same slots in the same order; GQA ratios 1, 2, 8.
+    Block ids past the pool are refused."""
+    from decodelab.cache.kernels.paged import gather_rows
+    from decodelab.models import native
+
+    if native.problem() is not None:
+        pytest.skip(f"native kernels: {native.problem()}")
+    g = torch.Generator().manual_seed(T + groups)
+    B, Hkv, D, bs, N, M = 2, 2, 16, 4, 12, 6
+    Hq = Hkv * groups
+    q = torch.randn(B, Hq, T, D, generator=g)
+    k_pool, v_pool = torch.randn(Hkv, N, bs, D, generator=g), torch.randn(Hkv, N, bs, D, generator=g)
+    order = torch.randperm(N, generator=g)
+    table = torch.full((B, M), -1, dtype=torch.int32)
+    table[0, :5], table[1, :3] = order[:5].int(), order[5:8].int()  # 20 and 12 slots' blocks
+    pos = torch.tensor([[17 + t for t in range(T)], [9 + t for t in range(T)]])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # both under the same threads: the same chunks, merged in the same order
+    try:
+        want = native.decode_attention(q, gather_rows(k_pool, table, bs).contiguous(),
+                                       gather_rows(v_pool, table, bs).contiguous(), pos, 0.25, window)
+        got = native.paged_decode_attention(q, k_pool, v_pool, table, pos, 0.25, window)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    table[1, 0] = N
+    with pytest.raises(RuntimeError, match=r"block ids must lie in \[0, 12\)"):
+        native.paged_decode_attention(q, k_pool, v_pool, table, pos, 0.25, window)
