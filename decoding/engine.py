@@ -61,7 +61,9 @@ forward (some rows decode, prefill chunks beside decode rows, a shorter last ver
 through the compiled model runner's flat token batches (decoding/runner.py: one graph per
 bucket of up to 64 tokens, each backend's own attention inside it); longer forwards stay
 eager. Both off by default: the compiles run before the first request (what they cost and
-buy: experiments/results/engine-compile). Every forward goes through one `ModelRunner`.
+buy: experiments/results/engine-compile). Every step runs through one `ModelRunner`
+(`execute`); within it a speculative decoder's verify without chunks, eager, is the
+decoder's own model call, and a draft model runs its own forwards.
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
@@ -297,15 +299,16 @@ class Engine:
         if self.runner is None:  # compiled now (on the emptied cache), not in a request
             t = time.perf_counter()
             if self.compile_flat:  # the forwards the static step does not serve: flat batches of a step's tokens
-                self.runner = compiled_runner(self.model, self.cache,
-                                              self.token_budget + self.cache.batch_size * self.decoder.lookahead)
+                runner = compiled_runner(self.model, self.cache,
+                                         self.token_budget + self.cache.batch_size * self.decoder.lookahead)
             else:
-                self.runner = ModelRunner(self.model, self.cache)
+                runner = ModelRunner(self.model, self.cache)
             if self.compile:  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
                 from decodelab.decoding.compiled import compiled_step, compiled_verify
 
-                self.runner.static = compiled_verify(self.model, self.cache, self.decoder) \
+                runner.static = compiled_verify(self.model, self.cache, self.decoder) \
                     if self.decoder.lookahead else compiled_step(self.model, self.cache)
+            self.runner = runner  # only once every compile succeeded: a failed one is tried again next run
             compile_s += time.perf_counter() - t
         flat_before = self.runner.compiled_forwards
         self.waiting: deque[int] = deque()

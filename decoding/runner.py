@@ -194,6 +194,7 @@ class ModelRunner:
         if bucket is None:
             self.eager_forwards += self.compile
             return self.model.forward_segments(segments, self.cache)
+        before = self.cache.lengths.clone()
         if len(segments) == 1 and segments[0].rows is None:
             s = segments[0]
             plans = [self.cache.plan(s.positions, s.valid)]
@@ -212,6 +213,9 @@ class ModelRunner:
             if len(b.attended) != self.model.cfg.n_layers:
                 raise SetupError(f"a compiled flat forward attended {len(b.attended)} of {self.model.cfg.n_layers} "
                                  "layers: its graph does not call the cache's attention in every layer")
+        except BaseException:  # booked but not (all) computed: the rows roll back to what they held
+            self.cache.truncate(torch.minimum(self.cache.lengths, before))
+            raise
         finally:
             b.plans = b.packed = None
         self.compiled_forwards += 1

@@ -308,7 +308,9 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         L = cache.lengths.clone()
         ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
-        positions = (L[:, None] + torch.arange(G + 1)).to(model.device)  # [B, G + 1]
+        # a frozen row's tokens are padding: kept inside the row (a finished row may sit at its capacity)
+        positions = torch.where(active[:, None], L[:, None] + torch.arange(G + 1),
+                                L.clamp(max=cache.capacity - 1)[:, None]).to(model.device)  # [B, G + 1]
         valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
         layers = self.hidden_layers
         if forward is not None and layers:

@@ -95,8 +95,8 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
 
     @property
     def rollback_needed(self) -> int:
-        """A row that keeps nothing of a tree (a frozen one) drops every node."""
-        return self.nodes
+        """A row that keeps only the root of its tree drops every other node."""
+        return self.nodes - 1
 
     @property
     def verify_tokens(self) -> None:
@@ -111,10 +111,13 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
 
     def problems(self, model, cache) -> list[str]:
         p = self._own_problems()
-        if not p and cache.rollback_limit < self.nodes:
+        if not p and cache.rollback_limit < self.rollback_needed:
             p.append(f"cache {type(cache).__name__} can roll back {cache.rollback_limit} tokens but a tree of "
-                     f"{self.nodes} nodes (1 + width {self.width} x depth {self.gamma_max}) needs {self.nodes}; "
-                     "lower depth or width, or raise the cache's rollback")
+                     f"{self.nodes} nodes (1 + width {self.width} x depth {self.gamma_max}) needs "
+                     f"{self.rollback_needed}; lower depth or width, or raise the cache's rollback")
+        if cache.batch_size > 1 and not getattr(cache, "serves_row_subsets", False):
+            p.append(f"the {type(cache).__name__} backend cannot run a forward over some of its rows, which the "
+                     "tree decoder needs once a row of the batch has finished: decode one prompt at a time")
         if not (callable(getattr(self.drafter, "propose_tree", None)) and callable(getattr(self.drafter, "accept",
                                                                                           None))):
             p.append(f"drafter {self.drafter!r} proposes no tree (propose_tree / accept): the tree decoder drafts "
@@ -125,7 +128,8 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
     def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
              left: int | None = None, forward=None) -> list[list[int]]:
         """One round: draft the trees, verify them in one forward, keep each row's greedy
-        path (module docstring); rows in `done` are frozen (their trees dropped)."""
+        path (module docstring); rows in `done` are frozen (no part in the forward: their
+        caches do not change)."""
         raise_if(not_begun(self, "step"))
         if forward is not None:
             raise SetupError("a tree of drafts verifies in a forward of its own, not one shared with other work")
@@ -133,25 +137,35 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
         D, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)
         candidates = self.drafter.propose_tree(last, D, self.width)  # per row: up to width lists of D tokens
-        T = max(len(trie(int(t), c)[0]) for t, c in zip(last.tolist(), candidates))  # <= 1 + width x depth
-        trees = [trie(int(t), c, T) for t, c in zip(last.tolist(), candidates)]  # every row padded to the largest
+        rows = active.nonzero().squeeze(1).tolist()  # the frozen rows take no part in the forward
+        if not rows:
+            self.drafter.accept([[] for _ in range(B)], active)
+            return [[int(t)] for t in last.tolist()]
+        T = max(len(trie(int(last[b]), candidates[b])[0]) for b in rows)  # <= 1 + width x depth
+        trees = {b: trie(int(last[b]), candidates[b], T) for b in rows}  # every row padded to the largest
         t1 = time.perf_counter()
         L = cache.lengths.clone()
-        parents = torch.tensor([p for _, p in trees])  # [B, T]
-        ids = torch.tensor([t for t, _ in trees], device=model.device)  # [B, T]
-        positions = L[:, None] + torch.tensor([depths(p) for _, p in trees])  # [B, T]: each at its depth
-        logits = model(ids, positions.to(model.device), cache, plan=cache.plan(positions, parents=parents))
+        parents = torch.tensor([trees[b][1] for b in rows])  # [b, T]
+        ids = torch.tensor([trees[b][0] for b in rows], device=model.device)  # [b, T]
+        positions = L[rows][:, None] + torch.tensor([depths(trees[b][1]) for b in rows])  # [b, T]: at their depths
+        plan = cache.plan(positions, parents=parents, rows=None if len(rows) == B else rows)
+        logits = model(ids, positions.to(model.device), cache, plan=plan)  # [b, T, V]
         sync(model.device)
         t2 = time.perf_counter()
-        best = logits.argmax(-1).tolist()  # [B][T]
+        best = dict(zip(rows, logits.argmax(-1).tolist()))  # row -> [T]
         out, kept, n = [], [], torch.zeros(B, dtype=torch.long)
-        for b, (tokens, par) in enumerate(trees):
-            path = greedy_path(tokens, par, best[b]) if bool(active[b]) else []
-            cache.keep_branch(b, int(L[b]), path, par)  # a frozen row keeps nothing
+        for b in range(B):
+            if b not in trees:  # frozen: nothing stored, nothing kept
+                out.append([int(last[b])])
+                kept.append([])
+                continue
+            tokens, par = trees[b]
+            path = greedy_path(tokens, par, best[b])
+            cache.keep_branch(b, int(L[b]), path, par)
             drafts = [tokens[t] for t in path[1:]]
             n[b] = len(drafts)
             kept.append(drafts)
-            out.append(drafts + [best[b][path[-1] if path else 0]])
+            out.append(drafts + [best[b][path[-1]]])
         self.drafter.accept(kept, active)
         self._stats.record(n, active, D, (torch.arange(D)[None] < n[:, None]).float())
         t3 = time.perf_counter()

@@ -130,7 +130,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                 "decodelab paged_decode_attention: q [B, Hq, T, D], pools [Hkv, N, bs, D], table [B, M]");
     int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k_pool.size(0);
     int64_t N = k_pool.size(1), bs = k_pool.size(2), M = table.size(1), S = M * bs;
-    TORCH_CHECK(table.size(0) == B && k_pool.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && bs > 0,
+    TORCH_CHECK(table.size(0) == B && k_pool.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0 && bs > 0 &&
+                N > 0,
                 "decodelab paged_decode_attention: shapes q ", q.sizes(), " pools ", k_pool.sizes(), " table ",
                 table.sizes());
     TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&

@@ -663,3 +663,6 @@ def test_native_paged_attention_reads_the_blocks_in_place(threads, window, T, gr
     table[1, 0] = N
     with pytest.raises(RuntimeError, match=r"block ids must lie in \[0, 12\)"):
         native.paged_decode_attention(q, k_pool, v_pool, table, pos, 0.25, window)
+    empty = torch.zeros(Hkv, 0, bs, D)  # no block at all: refused, never read
+    with pytest.raises(RuntimeError, match="shapes"):
+        native.paged_decode_attention(q, empty, empty, torch.full((B, M), -1), pos, 0.25, window)

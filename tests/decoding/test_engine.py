@@ -417,9 +417,11 @@ def eager_backend(monkeypatch) -> None:
     monkeypatch.setattr(runner, "compiled_runner", functools.partial(runner.compiled_runner, backend="eager"))
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("draft", ["prompt-lookup", "int8-self"])
 @pytest.mark.parametrize("backend", ["dense", "paged", "int4", "sliding", "sliding-imposed"])
-def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alone, draft, backend, monkeypatch):
+def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alone, draft, backend, flat,
+                                                                monkeypatch):
     """compile=True with a speculative decoder of a fixed gamma: a round in which every row
     verifies (and no prefill chunk shares the forward) verifies through the compiled step of
     gamma + 1 tokens (`VerifyForward`), the int8 self-draft drafts through its compiled
@@ -437,10 +439,13 @@ def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alo
     decoder = SpeculativeDecoder(drafter, gamma=3)
     assert decoder.verify_tokens == 4
     r = serve(lm.model, cache_for(lm.model, 3, 80, factory), decoder, requests(prompts, 0.005), token_budget=16,
-              compile=True, compile_flat=True)
+              compile=True, compile_flat=flat)
     assert [x.tokens for x in r.requests] == expected
     assert 0 < r.compiled_steps < decoder.stats["target_calls"] and r.compile_s > 0  # some verifies compiled
-    assert r.flat_forwards > 0 and r.compiled_steps + r.flat_forwards == r.steps  # and all the others flat
+    if flat:
+        assert r.flat_forwards > 0 and r.compiled_steps + r.flat_forwards == r.steps  # and all the others flat
+    else:
+        assert r.flat_forwards == 0
     if draft == "int8-self":
         assert drafter.static is not None  # the draft's one-token steps compiled too
 
@@ -456,3 +461,27 @@ def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):
         Engine(m, cache_for(m, 2, 64), greedy(), compile="yes")
     with pytest.raises(SetupError, match=r"compile_flat must .* only with compile=True .* got True \(compile=False\)"):
         Engine(m, cache_for(m, 2, 64), greedy(), compile_flat=True)
+
+
+def test_a_failed_compile_is_tried_again_on_the_next_run(tiny_models, alone, monkeypatch):
+    """The engine keeps its runner only once every compile succeeded: a run whose compile
+    failed leaves none, and the next run compiles (and serves compiled)."""
+    import decodelab.decoding.compiled as compiled
+
+    eager_backend(monkeypatch)
+    works, calls = compiled.compiled_step, []
+
+    def fails_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("interrupted compile")
+        return works(*a, **k)
+
+    monkeypatch.setattr(compiled, "compiled_step", fails_once)
+    m = tiny_models["llama"].model
+    prompts, expected = alone["llama", "dense"]
+    engine = Engine(m, cache_for(m, 3, 80), greedy(), token_budget=16, compile=True)
+    with pytest.raises(RuntimeError, match="interrupted compile"):
+        engine.run(requests(prompts, 0.005))
+    r = engine.run(requests(prompts, 0.005))
+    assert [x.tokens for x in r.requests] == expected and r.compiled_steps > 0 and len(calls) == 2

@@ -114,3 +114,18 @@ def test_the_eager_runner_is_the_models_forward(tiny_models):
     m = tiny_models["llama"].model
     runner = same_forward(m, "paged", lambda m, c: ModelRunner(m, c), atol=0)
     assert runner.buckets == () and runner.compiled_forwards == runner.eager_forwards == 0
+
+
+@torch.no_grad()
+def test_a_graph_that_fails_after_booking_rolls_the_rows_back(tiny_models):
+    m = tiny_models["llama"].model
+    cache = started(m, "paged")
+    before = cache.lengths.clone()
+    runner = ModelRunner(m, cache, compile=True, max_tokens=32, backend="eager")
+
+    def fails(*args):
+        raise RuntimeError("the graph failed")
+    runner.fn = fails
+    with pytest.raises(RuntimeError, match="the graph failed"):
+        runner.forward_segments(segments(m, cache))
+    assert cache.lengths.tolist() == before.tolist() and runner.batch.plans is None

@@ -91,7 +91,44 @@ def test_bad_tree_setups_are_refused(tiny_models):
     with pytest.raises(SetupError, match="proposes no tree .*draft=prompt-lookup"):
         generate(m, cache_for(m, 2, 96), TreeSpeculativeDecoder(early_exit(lm, 1), depth=3), ps, 4)
     small = functools.partial(SlidingCache, window=12, sinks=2, rollback=8)
-    with pytest.raises(SetupError, match="a tree of 13 nodes .* needs 13"):
+    with pytest.raises(SetupError, match="a tree of 13 nodes .* needs 12"):
         generate(m, cache_for(m, 2, 96, small), TreeSpeculativeDecoder(PromptLookupDrafter(), depth=4), ps, 4)
     with pytest.raises(SetupError, match="verifies a tree of drafts in a forward of its own"):
         Engine(m, cache_for(m, 2, 96), TreeSpeculativeDecoder(PromptLookupDrafter(), depth=3))
+
+
+@pytest.mark.parametrize("backend", ["dense", "paged"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_finished_row_at_its_capacity_beside_a_running_one(tiny_models, backend, tree):
+    """Row 0's drafts are always right (it finishes early, its output ending at the cache's
+    last slots), row 1's always wrong (it runs on): the finished row, frozen, must not be
+    fed past its capacity (a cache sized exactly prompt + max_new_tokens + lookahead, as
+    generate_text sizes it); both decoders, output still greedy's."""
+    from decodelab.decoding import SpeculativeDecoder
+
+    m = tiny_models["llama"].model
+    V = m.cfg.vocab_size
+    ps = [random_ids(8, V, 1), random_ids(8, V, 2)]
+    want = generate(m, cache_for(m, 2, 64), greedy(), ps, 20).tokens
+
+    def oracle(h: list[int], b: int, n: int) -> list[int]:
+        k = len(h) - len(ps[b])  # output tokens in the history
+        nxt = (want[b][k:k + n] + [0] * n)[:n]
+        return nxt if b == 0 else [(x + 1) % V for x in nxt]
+
+    class Oracle(PromptLookupDrafter):
+        def propose(self, last, gamma, params, generator):
+            self._row = iter(range(len(self.history)))
+            return super().propose(last, gamma, params, generator)
+
+        def _lookup(self, h, gamma):
+            return oracle(h, next(self._row), gamma)
+
+        def propose_tree(self, last, depth, width):
+            for h, t in zip(self.history, last.tolist()):
+                h.append(t)
+            return [[oracle(h, b, depth)] for b, h in enumerate(self.history)]
+
+    dec = TreeSpeculativeDecoder(Oracle(), depth=3, width=1) if tree else SpeculativeDecoder(Oracle(), gamma=3)
+    got = generate(m, cache_for(m, 2, 8 + 10 + dec.lookahead, BACKENDS[backend]), dec, ps, 10)
+    assert got.tokens == [w[:10] for w in want]
