@@ -201,7 +201,7 @@ class HostPlan:
     traced = True  # the model is traced into one graph with the host calls inside
 
     def __init__(self, cache, tokens: int = 1):
-        register_host_attend()
+        register_attend_op("host_attend", _host_attend_impl)
         self.cache, self.tokens = cache, tokens
         self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         self.current = None  # the eager plan of the step about to run (`book`)
@@ -228,7 +228,7 @@ class HostPlan:
 
 #: the live HostPlans of the process, by handle (what the traced op carries)
 _HOST_PLANS = Handles()
-_REGISTERED = False
+_REGISTERED: set[str] = set()
 
 
 def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -248,12 +248,13 @@ def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     return out if out.stride() == q.stride() else torch.empty_like(q).copy_(out)
 
 
-def register_host_attend() -> None:
-    """Register `decodelab::host_attend` once per process (on first use: nothing eager pays
-    for it). Its fake implementation gives q's shape and dtype, all inductor needs."""
-    global _REGISTERED
-    if _REGISTERED:
+def register_attend_op(name: str, impl) -> None:
+    """Register `decodelab::<name>(q, k, v, layer, handle) -> like q`, an attention a
+    compiled graph calls as one opaque op (`impl` finds its host object by `handle`), once
+    per process (on first use: nothing eager pays for it). Its fake implementation gives
+    q's shape and dtype, all inductor needs."""
+    if name in _REGISTERED:
         return
-    op = torch.library.custom_op("decodelab::host_attend", _host_attend_impl, mutates_args=())
+    op = torch.library.custom_op(f"decodelab::{name}", impl, mutates_args=())
     op.register_fake(lambda q, k, v, layer, handle: torch.empty_like(q))
-    _REGISTERED = True
+    _REGISTERED.add(name)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decodelab.cache.static import register_attend_op
 from decodelab.decoding.prefill import prompt_segment
 from decodelab.models.errors import SetupError
 from decodelab.models.handles import Handles
@@ -64,7 +65,7 @@ class FlatBatch:
     handle from inside the graph (models/handles.py)."""
 
     def __init__(self, cache):
-        register_flat_attend()
+        register_attend_op("flat_attend", _flat_attend_impl)
         self.cache = cache
         self.plans: list | None = None  # None: nothing booked (warm-up: attention gives zeros)
         self.packed: Packed | None = None
@@ -73,7 +74,6 @@ class FlatBatch:
 
 
 _BATCHES = Handles()
-_REGISTERED = False
 
 
 def _flat_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -97,17 +97,6 @@ def _flat_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
         parts.append(p.pack_one(b.cache.attend(layer, qs, ks, vs, plan).transpose(1, 2), s))  # [N_s, Hq, D]
     out[:p.bounds[-1]] = torch.cat(parts)
     return out
-
-
-def register_flat_attend() -> None:
-    """Register `decodelab::flat_attend` once per process (on first use); its fake gives
-    q's shape, all inductor needs."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    op = torch.library.custom_op("decodelab::flat_attend", _flat_attend_impl, mutates_args=())
-    op.register_fake(lambda q, k, v, layer, handle: torch.empty_like(q))
-    _REGISTERED = True
 
 
 @dataclass(frozen=True)
@@ -152,7 +141,6 @@ class ModelRunner:
         self.static = None
         self.buckets = buckets_for(max_tokens) if compile else ()
         self.compiled_forwards = self.eager_forwards = 0
-        self.compile_s = 0.0
         self.fn = None
         if compile:
             from decodelab.decoding.compiled import INDUCTOR_PATCHES, allow_recompiles, inductor_cache_dir
@@ -175,24 +163,25 @@ class ModelRunner:
     @torch.no_grad()
     def warm(self) -> dict[int, float]:
         """Compile every bucket now (nothing booked: the cache is not touched); the seconds
-        each took (`compile_s`: their sum, added up over calls)."""
+        each took."""
         took = {}
         for n in self.buckets:
             t = time.perf_counter()
             self.fn(*self.bufs[n], self.batch.handle)
             took[n] = time.perf_counter() - t
-        self.compile_s += sum(took.values())
         return took
 
     @torch.no_grad()
     def forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
         """Logits per segment, as `Transformer.forward_segments` returns them."""
+        if not self.compile:
+            return self.model.forward_segments(segments, self.cache)
         valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
                   for s in segments]
         n = sum(int(v.sum()) for v in valids)
         bucket = next((b for b in self.buckets if b >= n), None)
         if bucket is None:
-            self.eager_forwards += self.compile
+            self.eager_forwards += 1
             return self.model.forward_segments(segments, self.cache)
         before = self.cache.lengths.clone()
         if len(segments) == 1 and segments[0].rows is None:
@@ -202,8 +191,7 @@ class ModelRunner:
             plans = self.model.plan_segments(self.cache, segments)  # books them all (a refusal rolls back)
         packed = Packed([v.to(segments[0].ids.device) for v in valids])
         ids, pos = self.bufs[bucket]
-        ids.zero_()
-        pos.zero_()
+        ids[n:], pos[n:] = 0, 0  # the padding
         ids[:n] = packed.pack([s.ids for s in segments])
         pos[:n] = packed.pack([s.positions for s in segments])
         b = self.batch

@@ -13,8 +13,7 @@ kept is the target's greedy choice after the ones before it, so the output is gr
 decoding's (lossless at temperature 0; sampling is refused).
 
 A linear draft of the same depth is the tree of width 1; a wider tree verifies more
-tokens per forward (memory-bound at batch 1: about the cost of one) for a better chance
-that one of the candidates continues the text.
+tokens per forward for a better chance that one of the candidates continues the text.
 """
 
 from __future__ import annotations
@@ -43,12 +42,17 @@ def trie(root: int, candidates: list[list[int]], size: int | None = None) -> tup
                 tokens.append(t)
                 parents.append(at)
             at = child[at, t]
-    if size is None:
-        return tokens, parents
+    return (tokens, parents) if size is None else padded((tokens, parents), size)
+
+
+def padded(tree: tuple[list[int], list[int]], size: int) -> tuple[list[int], list[int]]:
+    """A tree (tokens, parents) with leaves under the root (repeating the root token) up to
+    `size` nodes; a larger tree is refused."""
+    tokens, parents = tree
     if len(tokens) > size:
         raise SetupError(f"a tree of {len(tokens)} nodes does not fit the verify's {size}")
     pad = size - len(tokens)
-    return tokens + [root] * pad, parents + [0] * pad
+    return tokens + [tokens[0]] * pad, parents + [0] * pad
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -141,8 +145,9 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
         if not rows:
             self.drafter.accept([[] for _ in range(B)], active)
             return [[int(t)] for t in last.tolist()]
-        T = max(len(trie(int(last[b]), candidates[b])[0]) for b in rows)  # <= 1 + width x depth
-        trees = {b: trie(int(last[b]), candidates[b], T) for b in rows}  # every row padded to the largest
+        bare = {b: trie(int(last[b]), candidates[b]) for b in rows}
+        T = max(len(tokens) for tokens, _ in bare.values())  # <= 1 + width x depth
+        trees = {b: padded(tree, T) for b, tree in bare.items()}  # every row padded to the largest
         t1 = time.perf_counter()
         L = cache.lengths.clone()
         parents = torch.tensor([trees[b][1] for b in rows])  # [b, T]
