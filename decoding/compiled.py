@@ -425,39 +425,17 @@ def compile_retrying(build):
             _fresh_compile_cache(folder, *found)
 
 
-class VerifyForward:
-    """A speculative verify's `forward(ids [B, T], positions, valid) -> logits [B, T, V]`
-    (the `forward` of `SpeculativeDecoder.step`) through a compiled static step of T tokens
-    per row (`compiled_step(..., tokens=T)`) where the step fits it: every row verifies
-    (`valid` all true: a frozen row must not grow) with exactly T tokens, at its next
-    positions (the step books them from the cache's lengths, as the verify does); other
-    verifies (a shorter last round, frozen rows) run the model's eager forward. `steps`
-    counts the compiled ones. The logits live in the step's buffer: read before the next."""
-
-    def __init__(self, static: StaticDecoder):
-        self.static, self.steps = static, 0
-
-    def fits(self, ids: torch.Tensor, valid: torch.Tensor) -> bool:
-        """Whether the compiled step runs this verify (else it runs eagerly)."""
-        return ids.shape[1] == self.static.tokens and bool(valid.all())
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        s = self.static
-        if self.fits(ids, valid):
-            self.steps += 1
-            return s.step(ids)
-        return s.model(ids, positions, s.cache, valid=valid)
-
-
-def compiled_verify(model, cache, decoder) -> "VerifyForward | None":
-    """The compiled verify of a speculative `decoder` over `cache` (`VerifyForward`), compiled
-    now, where the decoder verifies a fixed number of tokens (`verify_tokens`: not adaptive,
-    no drafter that reads the target's hidden states) and the cache plans a step of that many
-    (`static_problems`); else None (the verify stays eager)."""
+def compiled_verify(model, cache, decoder, backend: str = "inductor") -> "StaticDecoder | None":
+    """The compiled verify of a speculative `decoder` over `cache`: a static step of its
+    gamma + 1 tokens per row (`compiled_step(..., tokens=)`), compiled now, where the decoder
+    verifies a fixed number of tokens (`verify_tokens`: not adaptive, no drafter that reads
+    the target's hidden states) and the cache plans a step of that many (`static_problems`);
+    else None (the verify stays eager). The runner runs a verify through it where it fits:
+    every row verifies exactly that many tokens (`ModelRunner.verify`)."""
     tokens = getattr(decoder, "verify_tokens", None)
     if not tokens or static_problems(cache, "compile", tokens):
         return None
-    return VerifyForward(compiled_step(model, cache, tokens=tokens))
+    return compiled_step(model, cache, backend, tokens=tokens)
 
 
 def static_capacity(need: int, limit: int, multiple: int = 256) -> int:

@@ -6,8 +6,9 @@ A decoder declares what it is as class attributes: `needs_drafter`, `lookahead`
 (seeds its generator; called once per generation), `start(logits)` (the first token
 from the prefill logits), `admit(row, tokens)` / `release(row)` (a serving engine starts a
 new sequence in cache row `row`, after `begin`, and ends it) and
-`step(model, cache, last, done, left) -> list[list[int]]`
-(tokens produced per row; plain decoding produces one, speculative decoding may produce
+`step(runner, last, done, left) -> list[list[int]]`
+(every forward through `runner`, the target's `ModelRunner`: `decode`, `verify`, `tree`;
+tokens produced per row; plain decoding produces one, speculative decoding may produce
 more; rows in `done` are frozen, and `left`, the most any row may still emit, lets a
 decoder that looks ahead stop drafting where the output ends).
 The loop owns stopping: after each step it calls `output_kept(kept)` with how many of
@@ -34,6 +35,14 @@ def decoder_type_problems(decoder) -> list[str]:
             f"got {shown(decoder)[:-1]}, without {', '.join(missing)}){hint}"]
 
 
+def runner_problems(runner) -> list[str]:
+    """Why `runner` is not what a decoder's `step` runs its forwards through."""
+    if all(callable(getattr(runner, m, None)) for m in ("decode", "verify", "tree")):
+        return []
+    return [f"a decoder's step takes the target's ModelRunner (decodelab.decoding.runner.model_runner(model, "
+            f"cache)), got {shown(runner)}: generate() and the serving engine pass theirs"]
+
+
 def not_begun(decoder, call: str) -> list[str]:
     """The call order of a decoder (`begin`, then `start` on the prefill's logits, then `step`),
     where `call` comes before its `begin`."""
@@ -56,7 +65,7 @@ class SamplingDecoder:
     #: what this decoder is, read by setup, bench and report (never its class name):
     needs_drafter = False  # built with a `drafter=` (the `draft` config group)
     lossless_at_temperature_0 = True  # greedy output is the target's own greedy output
-    takes_compiled_step = True  # `step` can take a compiled one-token forward (generate's compile=True)
+    takes_compiled_step = True  # `step` decodes through the runner's compiled one-token step (compile=True)
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int = 0):
@@ -108,19 +117,13 @@ class SamplingDecoder:
         return 0
 
     @torch.no_grad()
-    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
-             left: int | None = None, forward=None) -> list[list[int]]:
-        """Feed last [B] at each row's next position; one new token per row (`left`, the
-        most tokens any row may still emit, matters only to decoders that look ahead).
-        `forward(last) -> logits [B, V]`: a compiled step of the same forward (None: the
-        model's own)."""
-        raise_if(not_begun(self, "step"))
-        if forward is not None:
-            logits = forward(last)
-        else:
-            positions = cache.lengths[:, None].to(model.device)  # [B, 1]
-            logits = model(last[:, None], positions, cache)[:, -1]  # [B, V]
-        return [[t] for t in choose(logits, self.params, self.generator).tolist()]
+    def step(self, runner, last: torch.Tensor, done: list[bool] | None = None,
+             left: int | None = None) -> list[list[int]]:
+        """Feed last [B] at each row's next position (`runner.decode`: the compiled step where
+        the runner has one); one new token per row (`left`, the most tokens any row may still
+        emit, matters only to decoders that look ahead)."""
+        raise_if(not_begun(self, "step") + runner_problems(runner))
+        return [[t] for t in choose(runner.decode(last), self.params, self.generator).tolist()]
 
     def output_kept(self, kept: list[int]) -> None:
         """How many of the last step's tokens each row's output kept: no statistics here."""

@@ -12,14 +12,12 @@ accepted.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from decodelab.cache.base import CacheLayout, planned_bytes
 from decodelab.cache.dense import DenseCache
-from decodelab.decoding.compiled import compiled_step
-from decodelab.decoding.prefill import prefill
+from decodelab.decoding.runner import model_runner
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs, sample
 from decodelab.decoding.text import make_cache
 from decodelab.models.errors import SetupError
@@ -62,7 +60,7 @@ class ModelDrafter:
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
         self.compile = compile
         self.gamma = gamma  # its best measured lookahead: the decoder's gamma where none is given
-        self.cache = self.static = None
+        self.cache = self.runner = None
         self.lookahead = 1  # tokens the draft cache must roll back (the decoder's gamma, set before `begin`)
         self.compile_s = 0.0  # the last `begin`'s compile (compile=True), which `generate` reports apart
 
@@ -90,14 +88,11 @@ class ModelDrafter:
                 raise SetupError(f"its cache {type(self.cache).__name__} can roll back {self.cache.rollback_limit} "
                                  f"tokens but gamma {self.lookahead} needs {self.lookahead}; lower gamma or give the "
                                  "draft another cache (draft.cache)")
-            self.static, self.compile_s = None, 0.0
-            if self.compile or compile:
-                t = time.perf_counter()
-                self.static = compiled_step(self.model, self.cache)
-                self.compile_s = time.perf_counter() - t
+            self.runner = model_runner(self.model, self.cache, compile=self.compile or compile)
+            self.compile_s = self.runner.compile_s
         except SetupError as e:
             raise SetupError([f"draft {self.name}: {r}" for r in e.reasons]) from None
-        prefill(self.model, self.cache, prompts)
+        self.runner.prefill(prompts)
         self.pending = [[] for _ in prompts]  # accepted tokens the draft has not fed yet
 
     @torch.no_grad()
@@ -105,7 +100,7 @@ class ModelDrafter:
         """Start row `row` over with `tokens` (a serving engine admitted a request there): the
         row is released and `tokens` prefilled into it (the shared prefill, that row only)."""
         self.cache.release(row)
-        prefill(self.model, self.cache, [tokens], rows=[row])
+        self.runner.prefill([tokens], rows=[row])
         self.pending[row] = []
 
     def release(self, row: int) -> None:
@@ -133,8 +128,8 @@ class ModelDrafter:
         """Feed pending tokens + last, then draft gamma tokens: ([B, G], q [B, G, V])."""
         feeds = [p + [int(t)] for p, t in zip(self.pending, last.tolist())]
         self._last_at = self.cache.lengths + torch.tensor([len(f) - 1 for f in feeds])  # [B] position of last
-        one = self.static is not None and all(len(f) == 1 for f in feeds)  # one token per row: the compiled step
-        logits = self.static.step(last) if one else self._feed(feeds)  # [B, V]
+        one = all(len(f) == 1 for f in feeds)  # one token per row: the runner's step (compiled where it is)
+        logits = self.runner.decode(last) if one else self._feed(feeds)  # [B, V]
         tokens, probs = [], []
         for i in range(gamma):
             q = logits_to_probs(logits, params)  # [B, V]
@@ -142,17 +137,9 @@ class ModelDrafter:
             tokens.append(x)
             probs.append(q)
             if i < gamma - 1:
-                logits = self._step(x)
+                logits = self.runner.decode(x)
         self._draft = torch.stack(tokens, 1)  # [B, G]
         return self._draft, torch.stack(probs, 1)
-
-    def _step(self, x: torch.Tensor) -> torch.Tensor:
-        """Feed x [B], one token per row, at each row's next position: logits [B, V] (the
-        compiled step where there is one)."""
-        if self.static is not None:
-            return self.static.step(x)
-        pos = self.cache.lengths[:, None].to(self.model.device)
-        return self.model(x[:, None], pos, self.cache)[:, -1]
 
     def _feed(self, feeds: list[list[int]]) -> torch.Tensor:
         """Run ragged token lists after each row's cached length; last logits [B, V]."""
@@ -164,7 +151,7 @@ class ModelDrafter:
         dev = self.model.device
         positions = (self.cache.lengths[:, None] + torch.arange(T)).to(dev)  # [B, T]
         valid = (torch.arange(T)[None] < n[:, None]).to(dev)  # [B, T]
-        return self.model(ids.to(dev), positions, self.cache, valid=valid, logit_index=(n - 1)[:, None].to(dev))[:, 0]
+        return self.runner.forward(ids.to(dev), positions, valid, (n - 1)[:, None].to(dev))[:, 0]
 
     def commit(self, n: torch.Tensor, nxt: torch.Tensor, active: torch.Tensor) -> None:
         """Roll back to what the target kept. The draft fed last, d_1..d_{G-1}; an active

@@ -29,7 +29,9 @@ step without decode rows (`prefill-first`) runs its chunks the same way, all of 
 one forward (one read of the weights: on a 2-core CPU the ShareGPT prefill of 32 requests
 took 8.5-8.8 s against 9.9-10.7 s with a forward per chunk). A speculative decoder's
 verify is a segment of that same forward: the decoding rows' gamma + 1 tokens beside the
-chunks (`SpeculativeDecoder.step(forward=...)`); its drafts run before it, in the drafter.
+chunks (the runner's `verify` inside `execute`); its drafts run before it, in the drafter. A
+tree decoder's verify is a forward of its own (its plan is a tree): a step's chunks run
+just before it.
 
 The KV budget (`kv_budget_mb`, default: what the cache can hold, `budget_bytes`) is
 charged what the running requests hold (`held_bytes`: a paged prefix block shared by
@@ -62,8 +64,8 @@ through the compiled model runner's flat token batches (decoding/runner.py: one 
 bucket of up to 64 tokens, each backend's own attention inside it); longer forwards stay
 eager. Both off by default: the compiles run before the first request (what they cost and
 buy: experiments/results/engine-compile). Every step runs through one `ModelRunner`
-(`execute`); within it a speculative decoder's verify without chunks, eager, is the
-decoder's own model call, and a draft model runs its own forwards.
+(`model_runner`, `execute`): the decoder's forwards are the runner's (`decode`, `verify`,
+`tree`), and a draft model runs its forwards through a runner of its own.
 
 Speculative decoders run inside the engine: each step is one draft-and-verify round over
 the decoding rows (the others frozen; the verify shares the step's forward with the
@@ -90,7 +92,7 @@ import torch
 
 from decodelab.decoding.generate import _length, new_tokens_problems
 from decodelab.decoding.prefill import token_id_problems
-from decodelab.decoding.runner import Chunk, ModelRunner, StepOutput, StepPlan, compiled_runner
+from decodelab.decoding.runner import Chunk, StepOutput, StepPlan, model_runner
 from decodelab.models.errors import PoolExhausted, SetupError, raise_if
 
 POLICIES = ("decode-first", "prefill-first")
@@ -192,10 +194,6 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
     if not (callable(getattr(decoder, "admit", None)) and callable(getattr(decoder, "release", None))):
         p.append(f"decoder {decoder!r} cannot serve requests that come and go: it has no `admit(row, tokens)` / "
                  "`release(row)` (decoding/decoders.py)")
-    if getattr(decoder, "verifies_tree", False):
-        p.append(f"decoder {decoder!r} verifies a tree of drafts in a forward of its own, which the serving engine's "
-                 "step (one forward shared with other rows' prefill chunks) does not run: use generate, or "
-                 "decoder=speculative")
     if getattr(decoder, "hidden_layers", ()):
         p.append(f"decoder {decoder!r} drafts from the target's hidden states (hidden_layers), which the serving "
                  "engine does not hand over yet (its prefill chunks and verify rounds would have to): use generate")
@@ -228,6 +226,8 @@ def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list
     if not compile:
         return []
     tokens = 1
+    if getattr(decoder, "verifies_tree", False):  # its trees vary in size: the runner's flat graphs verify them
+        return []
     if decoder.lookahead:
         tokens = getattr(decoder, "verify_tokens", None)
         if not tokens:
@@ -297,19 +297,11 @@ class Engine:
                            **({"compile": True} if self.compile and self.decoder.lookahead else {}))
         compile_s = getattr(self.decoder, "compile_s", 0.0)
         if self.runner is None:  # compiled now (on the emptied cache), not in a request
-            t = time.perf_counter()
-            if self.compile_flat:  # the forwards the static step does not serve: flat batches of a step's tokens
-                runner = compiled_runner(self.model, self.cache,
-                                         self.token_budget + self.cache.batch_size * self.decoder.lookahead)
-            else:
-                runner = ModelRunner(self.model, self.cache)
-            if self.compile:  # a speculative decoder's verify of gamma + 1 tokens, else a one-token step
-                from decodelab.decoding.compiled import compiled_step, compiled_verify
-
-                runner.static = compiled_verify(self.model, self.cache, self.decoder) \
-                    if self.decoder.lookahead else compiled_step(self.model, self.cache)
+            # with compile_flat, the forwards the static step does not serve run as flat batches of a step's tokens
+            flat = self.token_budget + self.cache.batch_size * self.decoder.lookahead if self.compile_flat else 0
+            runner = model_runner(self.model, self.cache, self.decoder, compile=self.compile, flat_tokens=flat)
             self.runner = runner  # only once every compile succeeded: a failed one is tried again next run
-            compile_s += time.perf_counter() - t
+            compile_s += runner.compile_s
         flat_before = self.runner.compiled_forwards
         self.waiting: deque[int] = deque()
         self.running: dict[int, _Running] = {}  # row -> running request

@@ -9,8 +9,9 @@ from typing import Callable, Generator
 
 import torch
 
-from decodelab.decoding.compiled import compiled_step, compiled_verify, static_problems
-from decodelab.decoding.prefill import prefill, token_id_problems
+from decodelab.decoding.compiled import static_problems
+from decodelab.decoding.prefill import token_id_problems
+from decodelab.decoding.runner import model_runner
 from decodelab.models.errors import SetupError, raise_if, shown
 
 # on_token(row, token_id, text_delta): text_delta is "" without a tokenizer
@@ -49,6 +50,7 @@ class GenerationResult:
     kv: dict = field(default_factory=dict)  # cache memory report (formula vs allocated)
     stats: dict = field(default_factory=dict)  # decoder statistics (speculative, ...)
     compile_s: float = 0.0  # compiling the decode step (compile=True), outside every token time
+    compiled_steps: int = 0  # the target's forwards that ran through a compiled step (static or flat)
 
     def ttft(self) -> list[float]:
         """Time to first token per row: tokenize + prefill + first sampling (the token
@@ -259,17 +261,15 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
     t_begin = time.perf_counter()
     # the drafter first: a draft cache that cannot compile is refused before the target's step compiles
     decoder.begin(model.device, prompts, cache.capacity, **({"compile": True} if compile and spec else {}))
-    forward, compile_s = {}, getattr(decoder, "compile_s", 0.0)  # a drafter's compiled step, compiled in `begin`
-    if compile:  # a plain decoder's one-token step; a speculative decoder's verify (where it is fixed)
-        t = time.perf_counter()
-        fn = compiled_verify(model, cache, decoder) if spec else compiled_step(model, cache).step
-        if fn is not None:
-            forward, compile_s = {"forward": fn}, compile_s + time.perf_counter() - t
+    # every forward runs through the target's runner; with compile, its static step (a plain
+    # decoder's one-token step, a speculative decoder's verify where it is fixed) is compiled now
+    runner = model_runner(model, cache, decoder, compile=compile)
+    compile_s = getattr(decoder, "compile_s", 0.0) + runner.compile_s  # a drafter's, compiled in `begin`
     t0 = (t_start if t_start is not None else t_begin) + compile_s  # token times leave every compile out
     rows = _Rows(len(prompts), max_new_tokens, eos, stop, tokenizer, detokenize, t0)
     t_prefill = time.perf_counter()
     layers = tuple(getattr(decoder, "hidden_layers", ()))  # a drafter that reads the target's states
-    out = prefill(model, cache, prompts, prefill_chunk, **({"hidden_layers": layers} if layers else {}))
+    out = runner.prefill(prompts, prefill_chunk, hidden_layers=layers)
     sync(model.device)
     prefill_s = time.perf_counter() - t_prefill
     last = decoder.start(out[0], hidden=out[1]) if layers else decoder.start(out)  # [B]
@@ -278,7 +278,7 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
     yield from rows.take()
     while not rows.done():
         left = max(max_new_tokens - len(t) for t, r in zip(rows.tokens, rows.reason) if r is None)
-        produced = decoder.step(model, cache, last, done=[r is not None for r in rows.reason], left=left, **forward)
+        produced = decoder.step(runner, last, done=[r is not None for r in rows.reason], left=left)
         kept = [rows.add(b, toks) for b, toks in enumerate(produced)]
         getattr(decoder, "output_kept", lambda kept: None)(kept)  # stats count the output
         last = torch.tensor([p[-1] for p in produced], device=model.device)
@@ -288,7 +288,8 @@ def _steps(model, cache, decoder, prompts, max_new_tokens, eos, stop, tokenizer,
         text = [rows.text[b] if rows.reason[b] == "stop" else tokenizer.decode(rows.tokens[b])
                 for b in range(len(prompts))]
     return GenerationResult(rows.tokens, text, rows.reason, [len(p) for p in prompts], rows.times,
-                            prefill_s, tokenize_s, cache.memory_report(), decoder.stats, compile_s)
+                            prefill_s, tokenize_s, cache.memory_report(), decoder.stats, compile_s,
+                            runner.static_steps + runner.compiled_forwards)
 
 
 def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: int = 64, *,
@@ -300,13 +301,14 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     The cache is reset first. `eos_ids` end a row; `stop` strings (needs `tokenizer`)
     end a row at the text before them; `on_token(row, token_id, text)` streams tokens as
     they come (`stream_tokens` is this loop as an iterator of events).
-    `compile=True` decodes with a compiled one-token step (decoding/compiled.py), compiled
-    before the prefill (once per model, batch and cache capacity in a process); with a
-    speculative decoder it compiles a draft model's one-token steps and the verify of
-    gamma + 1 tokens (`compiled_verify`: a fixed gamma, a cache that plans it; a last
-    shorter round and rounds with finished rows verify eagerly). That time, and a drafter's own
-    compile (`draft.compile`), is `compile_s`, and the token times leave it out (they count
-    from `t_start` plus it)."""
+    Every forward runs through one `ModelRunner` of the model and cache
+    (decoding/runner.py, `model_runner`). `compile=True` gives it a compiled one-token step
+    (decoding/compiled.py), compiled before the prefill (once per model, batch and cache
+    capacity in a process); with a speculative decoder it compiles a draft model's
+    one-token steps and the verify of gamma + 1 tokens (`compiled_verify`: a fixed gamma, a
+    cache that plans it; a last shorter round and rounds with finished rows verify eagerly).
+    That time, and a drafter's own compile (`draft.compile`), is `compile_s`, and the token
+    times leave it out (they count from `t_start` plus it)."""
     events = stream_tokens(model, cache, decoder, prompts, max_new_tokens, eos_ids=eos_ids, stop=stop,
                            tokenizer=tokenizer, prefill_chunk=prefill_chunk, t_start=t_start,
                            tokenize_s=tokenize_s, compile=compile, detokenize=on_token is not None)

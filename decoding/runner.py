@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from decodelab.cache.static import register_attend_op
-from decodelab.decoding.prefill import prompt_segment
+from decodelab.decoding import compiled
+from decodelab.decoding.prefill import prefill, prompt_segment
 from decodelab.models.errors import SetupError
 from decodelab.models.handles import Handles
 from decodelab.models.transformer import Packed, Segment
@@ -136,23 +137,25 @@ class ModelRunner:
 
     def __init__(self, model, cache, compile: bool = False, max_tokens: int = 256, backend: str = "inductor"):
         self.model, self.cache, self.compile = model, cache, compile
-        #: the compiled static step (`compiled_step`) or verify (`compiled_verify`) a step in
-        #: which every row decodes (verifies) runs through; None: none
+        #: the compiled static step of one token (`compiled_step`) or of a verify's gamma + 1
+        #: (`compiled_verify`) that a forward in which every row decodes (verifies) runs
+        #: through; None: none (`model_runner` builds it)
         self.static = None
+        #: an engine step's verify forward, shared with its prefill chunks (`execute`); None outside one
+        self.shared = None
         self.buckets = buckets_for(max_tokens) if compile else ()
-        self.compiled_forwards = self.eager_forwards = 0
+        self.compiled_forwards = self.eager_forwards = self.static_steps = 0
+        self.compile_s = 0.0  # seconds `model_runner` spent compiling
         self.fn = None
         if compile:
-            from decodelab.decoding.compiled import INDUCTOR_PATCHES, allow_recompiles, inductor_cache_dir
-
-            allow_recompiles()
-            inductor_cache_dir()
+            compiled.allow_recompiles()
+            compiled.inductor_cache_dir()
             model.memoize_rope(cache.layout.device)  # memos filled before tracing: no guard on their state
             self.batch = FlatBatch(cache)
             dev = cache.layout.device
             self.bufs = {n: (torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev))
                          for n in self.buckets}
-            options = INDUCTOR_PATCHES if backend == "inductor" else None
+            options = compiled.INDUCTOR_PATCHES if backend == "inductor" else None
             self.fn = torch.compile(self._flat, backend=backend, options=options, dynamic=False, fullgraph=True)
 
     def _flat(self, ids: torch.Tensor, positions: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
@@ -172,42 +175,113 @@ class ModelRunner:
         return took
 
     @torch.no_grad()
-    def forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Logits per segment, as `Transformer.forward_segments` returns them."""
+    def forward_segments(self, segments: list[Segment], plans: list | None = None) -> list[torch.Tensor]:
+        """Logits per segment, as `Transformer.forward_segments` returns them. `plans`: each
+        segment's plan, booked by the caller (a tree's, `tree`); compiled only."""
         if not self.compile:
             return self.model.forward_segments(segments, self.cache)
         valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
                   for s in segments]
         n = sum(int(v.sum()) for v in valids)
         bucket = next((b for b in self.buckets if b >= n), None)
-        if bucket is None:
+        if bucket is None and plans is None:
             self.eager_forwards += 1
             return self.model.forward_segments(segments, self.cache)
         before = self.cache.lengths.clone()
-        if len(segments) == 1 and segments[0].rows is None:
+        if plans is None and len(segments) == 1 and segments[0].rows is None:
             s = segments[0]
             plans = [self.cache.plan(s.positions, s.valid)]
-        else:
+        elif plans is None:
             plans = self.model.plan_segments(self.cache, segments)  # books them all (a refusal rolls back)
-        packed = Packed([v.to(segments[0].ids.device) for v in valids])
-        ids, pos = self.bufs[bucket]
-        ids[n:], pos[n:] = 0, 0  # the padding
-        ids[:n] = packed.pack([s.ids for s in segments])
-        pos[:n] = packed.pack([s.positions for s in segments])
-        b = self.batch
-        b.plans, b.packed, b.attended = plans, packed, set()
         try:
-            hidden = self.fn(ids, pos, b.handle)  # [bucket, dim]
-            if len(b.attended) != self.model.cfg.n_layers:
-                raise SetupError(f"a compiled flat forward attended {len(b.attended)} of {self.model.cfg.n_layers} "
+            if bucket is None:  # booked by the caller, too long for a graph: the eager layers on its plan
+                raise SetupError(f"a forward of {n} tokens with its own plan is longer than the largest compiled "
+                                 f"bucket ({self.buckets[-1]}); build the runner with max_tokens >= {n}")
+            packed = Packed([v.to(segments[0].ids.device) for v in valids])
+            ids, pos = self.bufs[bucket]
+            ids[n:], pos[n:] = 0, 0  # the padding
+            ids[:n] = packed.pack([s.ids for s in segments])
+            pos[:n] = packed.pack([s.positions for s in segments])
+            b = self.batch
+            b.plans, b.packed, b.attended = plans, packed, set()
+            try:
+                hidden = self.fn(ids, pos, b.handle)  # [bucket, dim]
+            finally:
+                attended, b.plans, b.packed = len(b.attended), None, None
+            if attended != self.model.cfg.n_layers:
+                raise SetupError(f"a compiled flat forward attended {attended} of {self.model.cfg.n_layers} "
                                  "layers: its graph does not call the cache's attention in every layer")
         except BaseException:  # booked but not (all) computed: the rows roll back to what they held
             self.cache.truncate(torch.minimum(self.cache.lengths, before))
             raise
-        finally:
-            b.plans = b.packed = None
         self.compiled_forwards += 1
         return self.model.segment_logits(hidden[:n], packed, segments, normed=True)
+
+    # -- the forwards a decoder runs (`step(runner, last, done, left)`) ---------------------
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], chunk_size: int | None = None, rows: list[int] | None = None,
+                hidden_layers: tuple[int, ...] = ()):
+        """THE prefill (decoding/prefill.py) of `prompts` into the runner's cache."""
+        return prefill(self.model, self.cache, prompts, chunk_size, rows, hidden_layers)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None,
+                logit_index: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()):
+        """The model's eager forward over the runner's cache (`Transformer.forward`): ids,
+        positions [B, T] -> logits [B, T, V] ([B, K, V] at `logit_index` [B, K])."""
+        extra = {"hidden_layers": hidden_layers} if hidden_layers else {}
+        return self.model(ids, positions, self.cache, valid=valid, logit_index=logit_index, **extra)
+
+    @torch.no_grad()
+    def decode(self, last: torch.Tensor) -> torch.Tensor:
+        """Every row's last token [B] at its next position: logits [B, V], through the
+        compiled static step where there is one (its logits live in its buffer: read them
+        before the next forward), else the flat graphs (`compile`) or the eager forward."""
+        if self.static is not None and self.static.tokens == 1:
+            self.static_steps += 1
+            return self.static.step(last)
+        positions = self.cache.lengths[:, None].to(self.model.device)  # [B, 1]
+        if self.compile:
+            return self.forward_segments([Segment(last[:, None], positions)])[0][:, -1]
+        return self.forward(last[:, None], positions)[:, -1]
+
+    @torch.no_grad()
+    def verify(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+               hidden_layers: tuple[int, ...] = ()):
+        """A speculative verify: ids, positions, valid [B, T] (a frozen row all invalid) ->
+        logits [B, T, V]; with `hidden_layers`, (logits, {layer: [B, T, dim]}) from the eager
+        forward. Inside an engine step it shares the step's forward with its prefill chunks
+        (`execute`); else it runs through the compiled static step where that step fits (every
+        row verifies exactly its T tokens), else the flat graphs (`compile`) or the eager forward."""
+        if self.shared is not None:
+            if hidden_layers:
+                raise SetupError("a drafter that reads the target's hidden states verifies through the model's own "
+                                 "forward, not one shared with other work")
+            return self.shared(ids, positions, valid)
+        if hidden_layers:
+            return self.forward(ids, positions, valid, hidden_layers=hidden_layers)
+        s = self.static
+        if s is not None and s.tokens == ids.shape[1] > 1 and bool(valid.all()):
+            self.static_steps += 1
+            return s.step(ids)
+        if self.compile:
+            return self.forward_segments([Segment(ids, positions, valid)])[0]
+        return self.forward(ids, positions, valid)
+
+    @torch.no_grad()
+    def tree(self, ids: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor,
+             rows: list[int] | None = None) -> torch.Tensor:
+        """A tree of drafts: ids, positions, parents [b, T] of cache `rows` (None: all),
+        each token attending to its ancestors (`cache.plan(parents=)`) -> logits [b, T, V];
+        through the flat graphs (`compile`) where it fits a bucket, else eagerly."""
+        if self.shared is not None:
+            raise SetupError("a tree of drafts verifies in a forward of its own, not one shared with other work")
+        dev = self.model.device
+        plan = self.cache.plan(positions, parents=parents, rows=rows)
+        positions = positions.to(dev)
+        if self.compile and ids.numel() <= self.buckets[-1]:
+            return self.forward_segments([Segment(ids, positions, None, rows)], plans=[plan])[0]
+        return self.model(ids, positions, self.cache, plan=plan)
 
     # -- an engine step ---------------------------------------------------------------------
     #: a prefill chunk of at least this many tokens gets a segment of its own: its attention
@@ -222,6 +296,10 @@ class ModelRunner:
         speculative decoder's verify as one segment of it; a step in which every row
         decodes (verifies) alone through the static step where there is one."""
         if step.decode and decoder.lookahead:
+            if step.chunks and getattr(decoder, "verifies_tree", False):  # a tree verifies alone: the chunks first
+                first = self._mixed(StepPlan(chunks=step.chunks), decoder).first
+                out = self._speculate(StepPlan(step.decode, (), step.left), decoder)
+                return StepOutput(out.tokens, first, out.compiled)
             return self._speculate(step, decoder)
         if step.chunks:
             return self._mixed(step, decoder)
@@ -235,7 +313,7 @@ class ModelRunner:
             last = torch.zeros(B, dtype=torch.long)
             for r, t in step.decode:
                 last[r] = t
-            logits = self.static.step(last.to(self.model.device))  # [B, V]
+            logits = self.decode(last.to(self.model.device))  # [B, V]
             return StepOutput({r: [t] for r, t in zip(rows, decoder.start(logits[rows]).tolist())}, {}, 1)
         seg, at = self._decode_segment(step.decode, self._decode_rows(rows))
         logits = self.forward_segments([seg])[0]  # [b, 1, V]
@@ -277,19 +355,16 @@ class ModelRunner:
             full[rows] = logits[0]
             return full
 
-        verify = forward if groups or self.compile else None  # compiled: the flat forward
-        static = self.static if not groups and len(rows) == B else None
-        before = static.steps if static is not None else 0
-        if static is not None:  # every row verifies, nothing else in the step: the compiled verify
-
-            def verify(ids, positions, valid):  # a shorter last round: the runner's forward
-                return static(ids, positions, valid) if static.fits(ids, valid) else forward(ids, positions, valid)
-        produced = decoder.step(self.model, self.cache, last.to(dev), done=done, left=step.left, forward=verify)
+        before = self.static_steps
+        self.shared = forward if groups else None  # the verify shares the step's forward with the chunks
+        try:
+            produced = decoder.step(self, last.to(dev), done=done, left=step.left)
+        finally:
+            self.shared = None
         first = {}
         for g, lg in zip(groups, prefilled):
             first |= self._first_tokens(g, lg, decoder)
-        return StepOutput({r: produced[r] for r, _ in step.decode}, first,
-                          static.steps - before if static is not None else 0)
+        return StepOutput({r: produced[r] for r, _ in step.decode}, first, self.static_steps - before)
 
     def _decode_rows(self, rows: list[int], busy=()) -> list[int]:
         """The cache rows a decode forward runs over: the run of rows from the first decoding
@@ -333,10 +408,34 @@ def compiled_runner(model, cache, max_tokens: int, backend: str = "inductor") ->
     """A compiled `ModelRunner` of flat batches up to `max_tokens` tokens, every bucket
     compiled now (`warm`; a damaged compile cache retried once in a fresh folder,
     `compile_retrying`), so that no request pays a compile."""
-    from decodelab.decoding.compiled import compile_retrying
 
     def build() -> ModelRunner:
         r = ModelRunner(model, cache, compile=True, max_tokens=max_tokens, backend=backend)
         r.warm()
         return r
-    return compile_retrying(build)
+    return compiled.compile_retrying(build)
+
+
+#: torch.compile's backend for every compiled step a runner builds (tests set dynamo's `eager`)
+BACKEND = "inductor"
+
+
+def model_runner(model, cache, decoder=None, compile: bool = False, flat_tokens: int = 0) -> ModelRunner:
+    """The runner of `model` over `cache` that `generate`, the serving engine and a draft
+    model run every forward through. Eager; with `compile`, its static step compiled now:
+    for a `decoder` that looks ahead the verify of its fixed gamma + 1 tokens where the
+    cache plans one (`compiled_verify`; else the verify runs eagerly), else a one-token
+    step (`compiled_step`); for a decoder that verifies trees of drafts, flat graphs that
+    hold its trees; with `flat_tokens`, flat graphs of up to that many tokens
+    (`compiled_runner`) for every other forward. `compile_s`: the seconds that took."""
+    t = time.perf_counter()
+    if compile and getattr(decoder, "verifies_tree", False):  # trees vary in size: the flat graphs verify them
+        flat_tokens = max(flat_tokens, cache.batch_size * decoder.nodes)
+    r = compiled_runner(model, cache, flat_tokens, BACKEND) if flat_tokens else ModelRunner(model, cache)
+    if compile:
+        lookahead = getattr(decoder, "lookahead", 0)
+        r.static = (compiled.compiled_verify(model, cache, decoder, BACKEND) if lookahead else
+                    compiled.compiled_step(model, cache, BACKEND))
+    if r.static is not None or flat_tokens:  # something compiled (a verify the cache cannot plan: nothing)
+        r.compile_s = time.perf_counter() - t
+    return r

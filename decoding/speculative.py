@@ -15,8 +15,8 @@ import torch
 
 from decodelab.decoding.generate import sync
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
-from decodelab.decoding.decoders import not_begun
-from decodelab.models.errors import SetupError, raise_if
+from decodelab.decoding.decoders import not_begun, runner_problems
+from decodelab.models.errors import raise_if
 
 
 def rejection_sample(
@@ -178,7 +178,7 @@ class SpeculativeDecoder:
     needs_drafter = True  # the `draft` config group builds it
     lossless_at_temperature_0 = True  # greedy verification keeps the target's argmax
     #: generate's compile=True compiles the drafter's one-token steps (a draft model's) and,
-    #: where `verify_tokens` is fixed, the verify (decoding/compiled.py's `VerifyForward`)
+    #: where `verify_tokens` is fixed, the verify (`compiled_verify`, run by `ModelRunner.verify`)
     compiles_drafter = True
 
     def __init__(self, drafter, gamma: int | None = None, temperature: float = 0.0, top_k: int = 0,
@@ -290,36 +290,32 @@ class SpeculativeDecoder:
         return getattr(self.drafter, "budget_bytes", lambda b, c: 0)(batch_size, capacity)
 
     @torch.no_grad()
-    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
-             left: int | None = None, forward=None) -> list[list[int]]:
+    def step(self, runner, last: torch.Tensor, done: list[bool] | None = None,
+             left: int | None = None) -> list[list[int]]:
         """One draft-and-verify round; rows in `done` are frozen (their caches do not grow).
         With `left` tokens at most still to emit, no more than `left - 1` are drafted (a round
         emits the accepted drafts and one more): drafting past the output is wasted work.
-        `forward(ids, positions, valid) -> logits [B, G + 1, V]` runs the verify where the
-        caller shares its forward with other work (the serving engine's prefill chunks of
-        other rows, one read of the weights); None: the model's own forward. A frozen row
-        keeps whatever length it has after that forward."""
-        raise_if(not_begun(self, "step"))
+        The verify is `runner.verify` (the compiled verify where it fits; a serving engine's
+        shares its step's forward with other rows' prefill chunks). A frozen row keeps
+        whatever length it has after that forward."""
+        raise_if(not_begun(self, "step") + runner_problems(runner))
+        cache, dev = runner.cache, runner.model.device
         t0 = time.perf_counter()
         G, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)
         draft, q = self.drafter.propose(last, G, self.params, self.generator)  # [B, G], [B, G, V]
-        sync(model.device)  # the split draft / verify / other times the work, not its launch
+        sync(dev)  # the split draft / verify / other times the work, not its launch
         t1 = time.perf_counter()
         L = cache.lengths.clone()
         ids = torch.cat([last[:, None], draft], dim=1)  # [B, G + 1]
         # a frozen row's tokens are padding: kept inside the row (a finished row may sit at its capacity)
         positions = torch.where(active[:, None], L[:, None] + torch.arange(G + 1),
-                                L.clamp(max=cache.capacity - 1)[:, None]).to(model.device)  # [B, G + 1]
-        valid = active[:, None].expand(-1, G + 1).to(model.device)  # frozen rows are padding: nothing stored
+                                L.clamp(max=cache.capacity - 1)[:, None]).to(dev)  # [B, G + 1]
+        valid = active[:, None].expand(-1, G + 1).to(dev)  # frozen rows are padding: nothing stored
         layers = self.hidden_layers
-        if forward is not None and layers:
-            raise SetupError("a drafter that reads the target's hidden states verifies through the model's own "
-                             "forward, not a shared one")
-        out = (forward(ids, positions, valid) if forward is not None else
-               model(ids, positions, cache, valid=valid, **({"hidden_layers": layers} if layers else {})))
+        out = runner.verify(ids, positions, valid, layers)
         logits, hidden = out if layers else (out, None)  # [B, G + 1, V], {layer: [B, G + 1, dim]}
-        sync(model.device)
+        sync(dev)
         t2 = time.perf_counter()
         if self.params.greedy:  # one-hot p and q: sum_x min(p, q) is 1 iff the draft is the argmax
             best = logits.argmax(-1)  # [B, G + 1]

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from decodelab.decoding.decoders import not_begun
+from decodelab.decoding.decoders import not_begun, runner_problems
 from decodelab.decoding.generate import sync
 from decodelab.decoding.speculative import SpeculativeDecoder
 from decodelab.models.errors import SetupError, raise_if
@@ -129,14 +129,13 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
         return p + self.drafter.problems(model, cache.batch_size, self.gamma_max)
 
     @torch.no_grad()
-    def step(self, model, cache, last: torch.Tensor, done: list[bool] | None = None,
-             left: int | None = None, forward=None) -> list[list[int]]:
-        """One round: draft the trees, verify them in one forward, keep each row's greedy
-        path (module docstring); rows in `done` are frozen (no part in the forward: their
-        caches do not change)."""
-        raise_if(not_begun(self, "step"))
-        if forward is not None:
-            raise SetupError("a tree of drafts verifies in a forward of its own, not one shared with other work")
+    def step(self, runner, last: torch.Tensor, done: list[bool] | None = None,
+             left: int | None = None) -> list[list[int]]:
+        """One round: draft the trees, verify them in one forward (`runner.tree`), keep each
+        row's greedy path (module docstring); rows in `done` are frozen (no part in the
+        forward: their caches do not change)."""
+        raise_if(not_begun(self, "step") + runner_problems(runner))
+        cache, dev = runner.cache, runner.model.device
         t0 = time.perf_counter()
         D, B = self.gamma if left is None else max(1, min(self.gamma, left - 1)), last.shape[0]
         active = ~torch.tensor(done if done is not None else [False] * B)
@@ -151,11 +150,10 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
         t1 = time.perf_counter()
         L = cache.lengths.clone()
         parents = torch.tensor([trees[b][1] for b in rows])  # [b, T]
-        ids = torch.tensor([trees[b][0] for b in rows], device=model.device)  # [b, T]
+        ids = torch.tensor([trees[b][0] for b in rows], device=dev)  # [b, T]
         positions = L[rows][:, None] + torch.tensor([depths(trees[b][1]) for b in rows])  # [b, T]: at their depths
-        plan = cache.plan(positions, parents=parents, rows=None if len(rows) == B else rows)
-        logits = model(ids, positions.to(model.device), cache, plan=plan)  # [b, T, V]
-        sync(model.device)
+        logits = runner.tree(ids, positions, parents, None if len(rows) == B else rows)  # [b, T, V]
+        sync(dev)
         t2 = time.perf_counter()
         best = dict(zip(rows, logits.argmax(-1).tolist()))  # row -> [T]
         out, kept, n = [], [], torch.zeros(B, dtype=torch.long)

@@ -167,11 +167,12 @@ def main() -> None:
         "generate_text(lm, 123)": "generate_text(lm, 123)",
         'SamplingDecoder(top_p="0.5")': 'SamplingDecoder(top_p="0.5")',
         "SpeculativeDecoder stepped before begin":
-            "SpeculativeDecoder(prompt_lookup()).step(lm.model, make_cache(lm.model, 1, 32), torch.tensor([1]))",
+            "SpeculativeDecoder(prompt_lookup()).step(model_runner(lm.model, make_cache(lm.model, 1, 32)), "
+            "torch.tensor([1]))",
     }
     for case, call in lib_calls.items():
         code = ("import torch; from decodelab.models.loading import load; from decodelab.decoding import "
-                "generate_text, SamplingDecoder, make_cache; from decodelab.decoding.speculative import "
+                "generate_text, SamplingDecoder, make_cache, model_runner; from decodelab.decoding.speculative import "
                 "SpeculativeDecoder; from decodelab.decoding.drafters import prompt_lookup; "
                 f"lm = load('tiny-llama', device='cpu'); {call}")
         p = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})

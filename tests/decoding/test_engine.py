@@ -303,7 +303,7 @@ def test_speculative_in_the_engine_is_token_identical_to_greedy(tiny_models, alo
     row = (lambda n: cache.row_bytes(n) + decoder.row_bytes(n))  # noqa: E731
     budget = row(18) * 1.5 if backend == "sliding-imposed" else row(60) * 1.3
     shared, step = [], decoder.step  # rounds whose verify ran in one forward with other rows' prefill chunks
-    decoder.step = lambda *a, **k: shared.append(k.get("forward") is not None) or step(*a, **k)
+    decoder.step = lambda runner, *a, **k: shared.append(runner.shared is not None) or step(runner, *a, **k)
     r = serve(lm.model, cache, decoder, requests(prompts, 0.005), token_budget=16, kv_budget_mb=budget / 2**20)
     assert [x.tokens for x in r.requests] == expected
     assert any(shared) and not all(shared)  # some verifies shared their forward with prefill chunks, some ran alone
@@ -407,14 +407,9 @@ def test_a_compiled_engine_serves_the_same_tokens(tiny_models, alone, name, back
 def eager_backend(monkeypatch) -> None:
     """The engine's compiled steps, the drafters' and the runner's through dynamo's `eager`
     backend (no inductor compile: seconds, not minutes)."""
-    import decodelab.decoding.compiled as compiled
-    import decodelab.decoding.drafters as drafters
     import decodelab.decoding.runner as runner
 
-    eager_compile = functools.partial(compiled.compiled_step, backend="eager")
-    monkeypatch.setattr(compiled, "compiled_step", eager_compile)
-    monkeypatch.setattr(drafters, "compiled_step", eager_compile)
-    monkeypatch.setattr(runner, "compiled_runner", functools.partial(runner.compiled_runner, backend="eager"))
+    monkeypatch.setattr(runner, "BACKEND", "eager")
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -424,7 +419,7 @@ def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alo
                                                                 monkeypatch):
     """compile=True with a speculative decoder of a fixed gamma: a round in which every row
     verifies (and no prefill chunk shares the forward) verifies through the compiled step of
-    gamma + 1 tokens (`VerifyForward`), the int8 self-draft drafts through its compiled
+    gamma + 1 tokens (`compiled_verify`), the int8 self-draft drafts through its compiled
     one-token step; every request's output is still its greedy output alone, on every
     backend. With compile_flat, every other verify (some rows, beside prefill chunks, a shorter
     last round) runs through the compiled runner's flat batches. Through dynamo's `eager`
@@ -447,7 +442,40 @@ def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alo
     else:
         assert r.flat_forwards == 0
     if draft == "int8-self":
-        assert drafter.static is not None  # the draft's one-token steps compiled too
+        assert drafter.runner.static is not None  # the draft's one-token steps compiled too
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("backend", list(SERVING))
+def test_tree_decoding_in_the_engine_serves_each_request_as_alone(tiny_models, alone, backend, compiled,
+                                                                  monkeypatch):
+    """The tree decoder (prompt lookup, width 2, depth 3) serving arrivals with chunked
+    prefill: a step's chunks run in a forward of their own just before the tree's verify;
+    every request's output is its greedy output alone, on every backend. Compiled with flat
+    graphs, the trees verify through them (their plans booked by the runner, `tree`);
+    through dynamo's `eager` backend."""
+    from decodelab.decoding.drafters import prompt_lookup
+    from decodelab.decoding.tree_speculative import TreeSpeculativeDecoder
+
+    if compiled:
+        eager_backend(monkeypatch)
+    m = tiny_models["llama"].model
+    prompts, expected = alone["llama", backend]
+    decoder = TreeSpeculativeDecoder(prompt_lookup(), depth=3, width=2)
+    factory = SERVING[backend]
+    if backend in ("int4", "sliding-imposed"):  # exact copies for a rollback of the tree's nodes
+        factory = functools.partial(factory, rollback=decoder.rollback_needed)
+    chunked, flat_trees = [], []  # steps whose chunks ran beside a tree round; trees through the flat graphs
+    mixed, forward = ModelRunner._mixed, ModelRunner.forward_segments
+    monkeypatch.setattr(ModelRunner, "_mixed", lambda self, step, dec: chunked.append(not step.decode) or
+                        mixed(self, step, dec))
+    monkeypatch.setattr(ModelRunner, "forward_segments", lambda self, segments, plans=None: flat_trees.append(
+        plans is not None) or forward(self, segments, plans))
+    r = serve(m, cache_for(m, 3, 80, factory), decoder, requests(prompts, 0.005), token_budget=16,
+              compile=compiled, compile_flat=compiled)
+    assert [x.tokens for x in r.requests] == expected
+    assert decoder.stats["acceptance_rate"] > 0 and any(chunked)  # drafts were kept; chunks ran beside tree rounds
+    assert (r.flat_forwards > 0) == any(flat_trees) == compiled
 
 
 def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):

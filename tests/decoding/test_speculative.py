@@ -254,19 +254,12 @@ def eager_draft_compile(monkeypatch):
     """Drafters' compiled steps and the compiled verify through dynamo's `eager` backend: the
     same whole-graph trace (a graph break is an error) without inductor's C++ build
     (test_compiled.py runs that). Yields the compiled verifies generate built."""
-    import functools
-    import importlib
-
     import decodelab.decoding.compiled as compiled
-    import decodelab.decoding.drafters as drafters_module
+    import decodelab.decoding.runner as runner
 
-    generate_module = importlib.import_module("decodelab.decoding.generate")  # (the package exports the function)
-    eager = functools.partial(compiled.compiled_step, backend="eager")
-    monkeypatch.setattr(drafters_module, "compiled_step", eager)
-    monkeypatch.setattr(compiled, "compiled_step", eager)  # (compiled_verify's)
-    made = []
-    monkeypatch.setattr(generate_module, "compiled_verify",
-                        lambda *a: made.append(compiled.compiled_verify(*a)) or made[-1])
+    monkeypatch.setattr(runner, "BACKEND", "eager")  # every runner's: the target's and the drafters'
+    made, real = [], compiled.compiled_verify
+    monkeypatch.setattr(compiled, "compiled_verify", lambda *a: made.append(real(*a)) or made[-1])
     return made
 
 
@@ -303,7 +296,7 @@ def test_compiled_draft_steps_draft_the_same_tokens(tiny, backend, eager_draft_c
         assert runs[2].stats["acceptance_per_position"] == runs[0].stats["acceptance_per_position"], name
         assert runs[1].compile_s > 0 and runs[2].compile_s > 0 and runs[0].compile_s == 0.0
         verify = eager_draft_compile[-1]  # this run's compiled verify: it verified the full rounds
-        assert verify is not None and verify.static.tokens == 4 and verify.steps > 0
+        assert verify is not None and verify.tokens == 4 and runs[2].compiled_steps > 0
 
 
 def test_compiled_draft_on_a_cache_without_a_static_view_is_refused(tiny_llama, eager_draft_compile):

@@ -102,7 +102,7 @@ class Scripted:
     def start(self, logits):
         return torch.tensor([r[0] for r in self.rows])
 
-    def step(self, model, cache, last, done=None, left=None):
+    def step(self, runner, last, done=None, left=None):
         self.steps += 1
         if self.steps == self.fail_at:
             raise RuntimeError("the decoder failed")

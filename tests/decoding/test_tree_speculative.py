@@ -13,7 +13,7 @@ from decodelab.cache.dense import DenseCache
 from decodelab.cache.int4 import QuantizedCache
 from decodelab.cache.paged import PagedCache
 from decodelab.cache.sliding import SlidingCache
-from decodelab.decoding import Engine, generate, greedy
+from decodelab.decoding import generate, greedy
 from decodelab.decoding.drafters import PromptLookupDrafter, early_exit
 from decodelab.decoding.tree_speculative import TreeSpeculativeDecoder, depths, greedy_path, trie
 from decodelab.models.errors import SetupError
@@ -43,6 +43,24 @@ def test_tree_decoding_is_greedy_decoding(tiny_models, name, backend):
     s = decoder.stats
     assert s["target_calls"] < 2 * 23  # fewer forwards than one per token of the longer row...
     assert s["acceptance_rate"] > 0  # ...because drafts were accepted
+
+
+@pytest.mark.parametrize("backend", ["dense", "paged", "int4", "sliding-imposed"])
+def test_compiled_tree_decoding_is_greedy_decoding(tiny_models, backend, monkeypatch):
+    """generate(compile=True) with the tree decoder: its runner verifies the trees through
+    flat graphs (every tree of 2 rows x 10 nodes in one bucket), each backend's own
+    attention on the tree's plan inside them; the output is still greedy's, and the
+    verifies did run compiled. Through dynamo's `eager` backend."""
+    import decodelab.decoding.runner as runner
+
+    monkeypatch.setattr(runner, "BACKEND", "eager")
+    m = tiny_models["llama"].model
+    ps = prompts(m.cfg.vocab_size)
+    want = generate(m, cache_for(m, 2, 96, BACKENDS[backend]), greedy(), ps, 24).tokens
+    decoder = TreeSpeculativeDecoder(PromptLookupDrafter(), depth=3, width=3)
+    got = generate(m, cache_for(m, 2, 96, BACKENDS[backend]), decoder, ps, 24, compile=True)
+    assert got.tokens == want and decoder.stats["acceptance_rate"] > 0
+    assert got.compiled_steps == decoder.stats["target_calls"] > 0 and got.compile_s > 0
 
 
 def test_the_linear_and_the_tree_decoder_agree_with_greedy_in_their_own_way(tiny_models):
@@ -93,8 +111,6 @@ def test_bad_tree_setups_are_refused(tiny_models):
     small = functools.partial(SlidingCache, window=12, sinks=2, rollback=8)
     with pytest.raises(SetupError, match="a tree of 13 nodes .* needs 12"):
         generate(m, cache_for(m, 2, 96, small), TreeSpeculativeDecoder(PromptLookupDrafter(), depth=4), ps, 4)
-    with pytest.raises(SetupError, match="verifies a tree of drafts in a forward of its own"):
-        Engine(m, cache_for(m, 2, 96), TreeSpeculativeDecoder(PromptLookupDrafter(), depth=3))
 
 
 @pytest.mark.parametrize("backend", ["dense", "paged"])

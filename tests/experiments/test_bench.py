@@ -145,16 +145,14 @@ def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
     """draft.compile=true (dynamo's eager backend here, for speed): one compile shared by
     prompts of different lengths (rounded capacities), output identical to greedy, the
     compile time recorded apart from TTFT."""
-    import functools
 
-    import decodelab.decoding.drafters as drafters_module
     from decodelab.decoding import compiled
 
     calls = []
     real = compiled.StaticDecoder.__init__
     monkeypatch.setattr(compiled.StaticDecoder, "__init__",
                         lambda self, model, cache, **kw: calls.append(cache.capacity) or real(self, model, cache, **kw))
-    monkeypatch.setattr(drafters_module, "compiled_step", functools.partial(compiled.compiled_step, backend="eager"))
+    monkeypatch.setattr(sys.modules["decodelab.decoding.runner"], "BACKEND", "eager")  # every runner's (the draft's)
     cfg = config(*TINY, "warmup=true", "workload=synthetic", "workload.lengths=[12,30]", "max_new_tokens=6",
                  "decoder=speculative", "draft=early-exit", "draft.compile=true", "compare_greedy=true",
                  "agree_with_dense=false")

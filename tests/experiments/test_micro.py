@@ -169,8 +169,7 @@ def test_weights_decode_rate_is_the_median_of_its_timed_decodes_with_their_quart
 
 
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
-    g = sys.modules["decodelab.decoding.generate"]  # compiled steps through dynamo's eager backend (fast to build)
-    monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))
+    monkeypatch.setattr(sys.modules["decodelab.decoding.runner"], "BACKEND", "eager")  # fast to build
     rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=2",
                  "weight_types=[int8,int4+head]", "ttft_rounds=3")
     assert [r["system"] for r in rows] == ["fp32", "fp32 compiled", "int8", "int8 compiled", "int4+head",
