@@ -7,8 +7,8 @@ eager and `compile=True`, side by side in one process.
 
 For each backend (dense, paged, int4, sliding with a 512-token window and 4 sinks imposed
 on SmolLM2) and decoder (greedy; speculative with the int8 self-draft; speculative with
-prompt lookup, gamma 4 both; with --cli the configs' defaults: the int8 self-draft at its own
-gamma 8), one ShareGPT prompt of 180-260 tokens (chat template) is
+prompt lookup, gamma 4 both; a tree of prompt-lookup drafts, depth 4, width 3; with --cli
+the configs' defaults: the int8 self-draft at its own gamma 8), one ShareGPT prompt of 180-260 tokens (chat template) is
 decoded `--tokens` greedy tokens eagerly and with `compile=True`, alternated, `--rounds`
 times each (the first compiled call compiles: `compile_s` apart; decode tok/s is the
 median over rounds). A cell that compile=True refuses says why. The greedy text of the
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 BACKENDS = {"dense": {}, "paged": {}, "int4": {}, "sliding": {"window": 512, "sinks": 4}}
-DECODERS = ("greedy", "speculative int8-self", "speculative prompt-lookup")
+DECODERS = ("greedy", "speculative int8-self", "speculative prompt-lookup", "tree prompt-lookup")
 
 
 def prompt(lm) -> list[int]:
@@ -37,13 +37,20 @@ def prompt(lm) -> list[int]:
 
 def decoder(lm, name: str, factory):
     """A fresh decoder of `name` (a drafter caching through the target's backend)."""
-    from decodelab.decoding import SpeculativeDecoder, greedy
+    from decodelab.decoding import SpeculativeDecoder, TreeSpeculativeDecoder, greedy
     from decodelab.decoding.drafters import prompt_lookup, quantized_self
 
     if name == "greedy":
         return greedy()
+    if name.startswith("tree"):
+        return TreeSpeculativeDecoder(prompt_lookup(), depth=4, width=3)
     drafter = quantized_self(lm, "int8", cache=factory) if name.endswith("int8-self") else prompt_lookup()
     return SpeculativeDecoder(drafter, gamma=4)
+
+
+def tree_rollback(backend: str, dec: str) -> dict:
+    """The sliding backend's rollback (8 by default) raised to what a tree of 1 + 3 x 4 nodes needs."""
+    return {"rollback": 12} if backend == "sliding" and dec.startswith("tree") else {}
 
 
 def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -> dict:
@@ -52,7 +59,7 @@ def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -
     from decodelab.decoding import generate, make_cache
     from decodelab.models.errors import SetupError
 
-    factory = cache_backend(backend, **BACKENDS[backend])
+    factory = cache_backend(backend, **BACKENDS[backend], **tree_rollback(backend, dec))
     runs = {False: [], True: []}
     texts, compile_s, refused = {}, 0.0, None
     for _ in range(rounds):
@@ -79,7 +86,8 @@ def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -
 
 #: each decoder as decodelab-generate's overrides (the configs' defaults: gamma is the draft's own)
 CLI_DECODERS = {"greedy": [], "speculative int8-self": ["decoder=speculative", "draft=int8-self"],
-                "speculative prompt-lookup": ["decoder=speculative", "draft=prompt-lookup"]}
+                "speculative prompt-lookup": ["decoder=speculative", "draft=prompt-lookup"],
+                "tree prompt-lookup": ["decoder=tree", "draft=prompt-lookup"]}
 
 
 def cli_cell(prompt_file: str, backend: str, dec: str, tokens: int, threads: int) -> dict:
@@ -89,7 +97,8 @@ def cli_cell(prompt_file: str, backend: str, dec: str, tokens: int, threads: int
     import subprocess
 
     exe = shutil.which("decodelab-generate") or str(Path(sys.executable).parent / "decodelab-generate")
-    cache = [f"cache={backend}"] + [f"cache.{k}={v}" for k, v in BACKENDS[backend].items()]
+    options = {**BACKENDS[backend], **tree_rollback(backend, dec)}
+    cache = [f"cache={backend}"] + [f"cache.{k}={v}" for k, v in options.items()]
     recs, refused = {}, None
     for compiled in (False, True):
         args = [exe, f"prompt_file={prompt_file}", *cache, *CLI_DECODERS[dec], f"compile={str(compiled).lower()}",

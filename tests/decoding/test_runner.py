@@ -129,3 +129,27 @@ def test_a_graph_that_fails_after_booking_rolls_the_rows_back(tiny_models):
     with pytest.raises(RuntimeError, match="the graph failed"):
         runner.forward_segments(segments(m, cache))
     assert cache.lengths.tolist() == before.tolist() and runner.batch.plans is None
+
+
+@torch.no_grad()
+def test_a_decoder_steps_through_a_runner_and_names_the_old_call(tiny_llama):
+    """A decoder's step takes the target's runner: its `decode` gives the logits of the
+    model's own one-token forward; the pre-runner call `step(model, cache, last)` is refused
+    naming the fix, before any forward."""
+    from decodelab.decoding import greedy, model_runner
+    from decodelab.models.errors import SetupError
+
+    m = tiny_llama.model
+    cache, ref = cache_for(m, 2, 32), cache_for(m, 2, 32)
+    runner = model_runner(m, cache)
+    ps = [random_ids(5, m.cfg.vocab_size, 1), random_ids(5, m.cfg.vocab_size, 2)]
+    last = runner.prefill(ps).argmax(-1)
+    prefill(m, ref, ps)
+    want = m(last[:, None], ref.lengths[:, None], ref)[:, -1]
+    torch.testing.assert_close(runner.decode(last), want, atol=0, rtol=0)
+    dec = greedy()
+    dec.begin(m.device, ps, 32)
+    with pytest.raises(SetupError, match="takes the target's ModelRunner .*model_runner\\(model, cache\\)"):
+        dec.step(m, cache, last)
+    assert cache.lengths.tolist() == [6, 6]  # nothing ran
+    assert dec.step(runner, last) == [[t] for t in want.argmax(-1).tolist()]
