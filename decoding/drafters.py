@@ -12,7 +12,6 @@ accepted.
 
 from __future__ import annotations
 
-
 import torch
 
 from decodelab.cache.base import CacheLayout, planned_bytes

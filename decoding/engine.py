@@ -58,7 +58,8 @@ static step (decoding/compiled.py; any backend with a `static_plan`, int4's host
 included), compiled once before the first request; other steps stay eager. With a
 speculative decoder of a fixed gamma it compiles the verify of gamma + 1 tokens
 (`compiled_verify`: a round in which every row verifies and no prefill chunk shares the
-forward) and a draft model's one-token steps. With `compile_flat=True` too, every other
+forward) and a draft model's one-token steps; a tree decoder's trees run through the
+runner's flat graphs (below). With `compile_flat=True` too, every other
 forward (some rows decode, prefill chunks beside decode rows, a shorter last verify) runs
 through the compiled model runner's flat token batches (decoding/runner.py: one graph per
 bucket of up to 64 tokens, each backend's own attention inside it); longer forwards stay
@@ -176,11 +177,12 @@ class EngineResult:
     preemptions: int = 0
     steps: int = 0
     compiled_steps: int = 0  # steps through a compiled static step (`compile=True`): decode steps or verify rounds
-    #: compiling at the start of the run, before any request's clock: the static step (compile=True) and a
-    #: draft model's one-token steps (compile=True, or the draft's own `compile`)
+    #: compiling at the start of the run, before any request's clock: the static step (compile=True), the
+    #: flat graphs (compile_flat, a tree decoder's) and a draft model's one-token steps (compile=True, or the
+    #: draft's own `compile`)
     compile_s: float = 0.0
     #: forwards through the compiled runner's flat token batches (`compile_flat=True`: every forward but the
-    #: static step's and those larger than its largest bucket)
+    #: static step's and those larger than its largest bucket; a tree decoder's trees under compile=True)
     flat_forwards: int = 0
 
 
@@ -216,7 +218,8 @@ def engine_problems(cache, decoder, token_budget: int, policy: str, max_running:
 def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list[str]:
     """`compile`: a bool; where true, a cache with a compiled step (its `static_plan`) of the
     tokens a step feeds per row: one, or a speculative decoder's fixed gamma + 1
-    (`verify_tokens`; adaptive gamma and drafters that read hidden states verify eagerly).
+    (`verify_tokens`; adaptive gamma and drafters that read hidden states verify eagerly);
+    a tree decoder's trees run through the runner's flat graphs instead (any cache).
     `compile_flat`: a bool, true only with `compile`."""
     if not isinstance(compile_flat, bool) or (compile_flat and compile is not True):
         return [f"compile_flat must be true or false, and true only with compile=True (the runner's flat batches "

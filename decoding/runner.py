@@ -1,6 +1,18 @@
-"""The model runner: a forward over segments (decode rows, prefill chunks, a verify's
-gamma + 1 tokens, any mix of them) run eagerly or as one flat token batch through a
-compiled graph of a bucketed size.
+"""The model runner: every forward of a model over its cache, eager or compiled.
+
+`generate`, the serving engine and a draft model each run their forwards through one
+`ModelRunner` (`model_runner` builds it): the prefill (`prefill`), and the forwards a
+decoder's `step(runner, last, done, left)` asks for: one token a row (`decode`), a
+speculative verify (`verify`, optionally with hidden states for a drafter that reads
+them), a tree of drafts (`tree`). Compiled, `decode` and a verify of fixed size run the
+static step (decoding/compiled.py) where every row takes part; the other forwards run the
+flat graphs below where the runner has them (a tree decoder's trees always do), else
+eagerly. The serving engine's step runs through `execute` (a `StepPlan` in, a
+`StepOutput` out).
+
+A forward over segments (decode rows, prefill chunks, a verify's gamma + 1 tokens, any
+mix of them) runs eagerly or as one flat token batch through a compiled graph of a
+bucketed size.
 
 `ModelRunner.forward_segments(segments)` has `Transformer.forward_segments`'s contract
 (one `Segment` per padded batch of distinct cache rows; logits per segment). Eager, it is
@@ -18,7 +30,8 @@ that method. Compiled (`compile=True`), the runner
   bit for bit the eager attention;
 - applies the head eagerly to the rows each segment asks logits for (one product, as
   the eager forward does).
-A forward larger than the largest bucket runs eagerly (`eager_forwards` counts them).
+A forward larger than the largest bucket runs eagerly (`eager_forwards` counts them, trees
+included).
 This is vLLM's piecewise compile: the scheduler's step in any shape, one graph per token
 count, attention outside it.
 """
@@ -144,6 +157,9 @@ class ModelRunner:
         #: an engine step's verify forward, shared with its prefill chunks (`execute`); None outside one
         self.shared = None
         self.buckets = buckets_for(max_tokens) if compile else ()
+        #: the flat graphs serve trees of drafts only (`tree`); every other forward runs eagerly
+        #: (`model_runner`: a tree decoder compiled without `flat_tokens`)
+        self.trees_only = False
         self.compiled_forwards = self.eager_forwards = self.static_steps = 0
         self.compile_s = 0.0  # seconds `model_runner` spent compiling
         self.fn = None
@@ -178,7 +194,10 @@ class ModelRunner:
     def forward_segments(self, segments: list[Segment], plans: list | None = None) -> list[torch.Tensor]:
         """Logits per segment, as `Transformer.forward_segments` returns them. `plans`: each
         segment's plan, booked by the caller (a tree's, `tree`); compiled only."""
-        if not self.compile:
+        if not self.compile or (self.trees_only and plans is None):
+            if plans is not None:
+                raise SetupError("booked plans run through a compiled runner's flat graphs; an eager runner plans "
+                                 "its own forward (pass plans=None)")
             return self.model.forward_segments(segments, self.cache)
         valids = [s.valid if s.valid is not None else torch.ones(s.ids.shape, dtype=torch.bool, device=s.ids.device)
                   for s in segments]
@@ -241,7 +260,7 @@ class ModelRunner:
             self.static_steps += 1
             return self.static.step(last)
         positions = self.cache.lengths[:, None].to(self.model.device)  # [B, 1]
-        if self.compile:
+        if self.compile and not self.trees_only:
             return self.forward_segments([Segment(last[:, None], positions)])[0][:, -1]
         return self.forward(last[:, None], positions)[:, -1]
 
@@ -264,8 +283,12 @@ class ModelRunner:
         if s is not None and s.tokens == ids.shape[1] > 1 and bool(valid.all()):
             self.static_steps += 1
             return s.step(ids)
-        if self.compile:
-            return self.forward_segments([Segment(ids, positions, valid)])[0]
+        rows = valid.any(1).nonzero().flatten().tolist() if self.compile and not self.trees_only else []
+        if rows:  # flat graphs over the verifying rows only (a frozen row's attention is waste)
+            logits = self.forward_segments([Segment(ids[rows], positions[rows], valid[rows], rows)])[0]
+            full = logits.new_zeros(ids.shape[0], *logits.shape[1:])  # [B, T, V]: zeros at the frozen rows
+            full[rows] = logits
+            return full
         return self.forward(ids, positions, valid)
 
     @torch.no_grad()
@@ -276,12 +299,17 @@ class ModelRunner:
         through the flat graphs (`compile`) where it fits a bucket, else eagerly."""
         if self.shared is not None:
             raise SetupError("a tree of drafts verifies in a forward of its own, not one shared with other work")
-        dev = self.model.device
+        dev, before = self.model.device, self.cache.lengths.clone()
         plan = self.cache.plan(positions, parents=parents, rows=rows)
         positions = positions.to(dev)
-        if self.compile and ids.numel() <= self.buckets[-1]:
-            return self.forward_segments([Segment(ids, positions, None, rows)], plans=[plan])[0]
-        return self.model(ids, positions, self.cache, plan=plan)
+        try:
+            if self.compile and ids.numel() <= self.buckets[-1]:
+                return self.forward_segments([Segment(ids, positions, None, rows)], plans=[plan])[0]
+            self.eager_forwards += self.compile
+            return self.model(ids, positions, self.cache, plan=plan)
+        except BaseException:  # booked but not computed: the rows roll back to what they held
+            self.cache.truncate(torch.minimum(self.cache.lengths, before))
+            raise
 
     # -- an engine step ---------------------------------------------------------------------
     #: a prefill chunk of at least this many tokens gets a segment of its own: its attention
@@ -293,8 +321,10 @@ class ModelRunner:
         """Run one engine step with `decoder` (its sampling, its speculative round): the
         decode rows and the chunks in one forward (`forward_segments`; each long chunk a
         segment of its own, the short ones together, as THE prefill places them), a
-        speculative decoder's verify as one segment of it; a step in which every row
-        decodes (verifies) alone through the static step where there is one."""
+        speculative decoder's verify as one segment of it (the decoder's `verify` call runs
+        this shared forward, `shared`); a step in which every row decodes (verifies) alone
+        through the static step where there is one. A tree decoder verifies in a forward of
+        its own (its plan is a tree): the step's chunks run just before it."""
         if step.decode and decoder.lookahead:
             if step.chunks and getattr(decoder, "verifies_tree", False):  # a tree verifies alone: the chunks first
                 first = self._mixed(StepPlan(chunks=step.chunks), decoder).first
@@ -337,8 +367,9 @@ class ModelRunner:
 
     def _speculate(self, step: StepPlan, decoder) -> StepOutput:
         """One draft-and-verify round of the decoder over every cache row; the rows that
-        are not decoding are frozen (their caches do not grow). The verify is one forward
-        with the step's chunks (the decoding rows' gamma + 1 tokens as one segment)."""
+        are not decoding are frozen (their caches do not grow). With chunks, the verify is one
+        forward with them (the decoding rows' gamma + 1 tokens as one segment); without, the
+        runner's own `verify` (`tree`)."""
         B, dev = self.cache.batch_size, self.model.device
         last, done = torch.zeros(B, dtype=torch.long), [True] * B
         for r, t in step.decode:
@@ -426,16 +457,18 @@ def model_runner(model, cache, decoder=None, compile: bool = False, flat_tokens:
     for a `decoder` that looks ahead the verify of its fixed gamma + 1 tokens where the
     cache plans one (`compiled_verify`; else the verify runs eagerly), else a one-token
     step (`compiled_step`); for a decoder that verifies trees of drafts, flat graphs that
-    hold its trees; with `flat_tokens`, flat graphs of up to that many tokens
-    (`compiled_runner`) for every other forward. `compile_s`: the seconds that took."""
+    hold its trees (and serve trees only, `trees_only`, unless `flat_tokens` is given); with
+    `flat_tokens`, flat graphs of up to that many tokens (`compiled_runner`) for every other
+    forward too. `compile_s`: the seconds that took."""
     t = time.perf_counter()
-    if compile and getattr(decoder, "verifies_tree", False):  # trees vary in size: the flat graphs verify them
-        flat_tokens = max(flat_tokens, cache.batch_size * decoder.nodes)
-    r = compiled_runner(model, cache, flat_tokens, BACKEND) if flat_tokens else ModelRunner(model, cache)
+    trees = compile and getattr(decoder, "verifies_tree", False)  # trees vary in size: flat graphs verify them
+    size = max(flat_tokens, cache.batch_size * decoder.nodes) if trees else flat_tokens
+    r = compiled_runner(model, cache, size, BACKEND) if size else ModelRunner(model, cache)
+    r.trees_only = trees and not flat_tokens
     if compile:
         lookahead = getattr(decoder, "lookahead", 0)
         r.static = (compiled.compiled_verify(model, cache, decoder, BACKEND) if lookahead else
                     compiled.compiled_step(model, cache, BACKEND))
-    if r.static is not None or flat_tokens:  # something compiled (a verify the cache cannot plan: nothing)
+    if r.static is not None or size:  # something compiled (a verify the cache cannot plan: nothing)
         r.compile_s = time.perf_counter() - t
     return r

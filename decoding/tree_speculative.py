@@ -80,8 +80,9 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
     tokens (module docstring). `depth` None: the drafter's own gamma. The drafter needs
     `propose_tree(last, depth, width)` and `accept(tokens, active)` (prompt lookup)."""
 
-    #: a tree's verify runs in a forward of its own: the serving engine, which shares one
-    #: forward between a verify and other rows' prefill chunks, refuses it
+    #: a tree's verify runs in a forward of its own (`ModelRunner.tree`): the serving engine
+    #: runs a step's prefill chunks just before it, and a compiled runner verifies the trees
+    #: through its flat graphs (their sizes vary)
     verifies_tree = True
 
     def __init__(self, drafter, depth: int | None = None, width: int = 3, seed: int = 0):

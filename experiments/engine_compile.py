@@ -11,7 +11,9 @@ compiled) against the eager engine and transformers' continuous batching
 SmolLM2-135M fp32, `--requests` ShareGPT prompts (seed 0, chat template) all at t = 0,
 `--new` tokens each (EOS ignored), `--rows` cache rows; decoders: greedy, and greedy
 speculative with the int8 self-draft at its defaults (conf/draft/int8-self.yaml: gamma 8,
-caching through the target's backend). Per backend and decoder the two engines alternate
+caching through the target's backend); `--decoders ... tree`: a tree of prompt-lookup
+drafts (depth 4, width 3), whose compiled engine verifies its trees through flat graphs.
+Per backend and decoder the two engines alternate
 `--rounds` times, transformers once per round beside the first backend's greedy only;
 reported: output tok/s over the whole run (median over rounds; the compile, done once
 before the first compiled run, apart), whether each engine's tokens equal the eager greedy
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", nargs="+", default=["dense", "paged", "int4", "sliding"])
-    ap.add_argument("--decoders", nargs="+", default=["greedy", "int8-self"], choices=["greedy", "int8-self"])
+    ap.add_argument("--decoders", nargs="+", default=["greedy", "int8-self"], choices=["greedy", "int8-self", "tree"])
     ap.add_argument("--flat", action="store_true",
                     help="also a compiled engine whose other forwards run through the compiled runner's flat "
                          "token batches (compile_flat=True): what they add")
@@ -40,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from decodelab.cache import backend as cache_backend
-    from decodelab.decoding import SpeculativeDecoder, greedy, make_cache
-    from decodelab.decoding.drafters import quantized_self
+    from decodelab.decoding import SpeculativeDecoder, TreeSpeculativeDecoder, greedy, make_cache
+    from decodelab.decoding.drafters import prompt_lookup, quantized_self
     from decodelab.decoding.engine import Engine, Request
     from decodelab.experiments.harness import run_conditions
     from decodelab.experiments.workloads import ShareGPT
@@ -59,11 +61,15 @@ def main(argv: list[str] | None = None) -> None:
         factory, greedy_tokens = cache_backend(b), None
         for d in a.decoders:
             def decoder():  # the int8 self-draft at its defaults (gamma 8), caching through the target's backend
+                if d == "tree":  # prompt lookup's tree, depth 4, width 3 (conf/decoder/tree.yaml)
+                    return TreeSpeculativeDecoder(prompt_lookup(), depth=4, width=3)
                 return greedy() if d == "greedy" else SpeculativeDecoder(quantized_self(lm, "int8", cache=factory))
-            engines = {m: Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory), decoder(), compile=c)
+            # sliding's rollback (8 by default) raised to a tree's 12 nodes
+            rows_of = cache_backend(b, rollback=12) if d == "tree" and b == "sliding" else factory
+            engines = {m: Engine(lm.model, make_cache(lm.model, a.rows, capacity, rows_of), decoder(), compile=c)
                        for m, c in (("eager", False), ("compiled", True))}
             if a.flat:
-                engines["compiled_flat"] = Engine(lm.model, make_cache(lm.model, a.rows, capacity, factory),
+                engines["compiled_flat"] = Engine(lm.model, make_cache(lm.model, a.rows, capacity, rows_of),
                                                   decoder(), compile=True, compile_flat=True)
             with_hf = i == 0 and d == "greedy"
             tok_s, tokens, compile_s, compiled_steps = {m: [] for m in [*engines, "transformers"]}, {}, 0.0, 0

@@ -66,7 +66,7 @@ def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -
         for compiled in (False, True):
             if compiled and refused:
                 continue
-            cache = make_cache(lm.model, 1, len(ids) + tokens + 8, factory)
+            cache = make_cache(lm.model, 1, len(ids) + tokens + 16, factory)  # (a verify's lookahead)
             try:
                 r = generate(lm.model, cache, decoder(lm, dec, factory), [ids], tokens, compile=compiled,
                              tokenizer=lm.tokenizer)
@@ -76,11 +76,11 @@ def cell(lm, ids: list[int], backend: str, dec: str, tokens: int, rounds: int) -
             runs[compiled].append(r.summary()["decode_tok_s"])
             texts[compiled] = r.text[0]
             compile_s = max(compile_s, r.compile_s)
-    eager = statistics.median(runs[False])
+    eager = statistics.median(runs[False]) if runs[False] else None  # None: refused eagerly too
     comp = statistics.median(runs[True]) if runs[True] else None
     return {"backend": backend, "decoder": dec, "eager_tok_s": eager, "compiled_tok_s": comp,
-            "compiled_vs_eager": comp / eager if comp else None, "compile_s": compile_s,
-            "text_equal": texts.get(True) == texts[False] if comp else None, "refused": refused,
+            "compiled_vs_eager": comp / eager if comp and eager else None, "compile_s": compile_s,
+            "text_equal": texts.get(True) == texts.get(False) if comp and eager else None, "refused": refused,
             "eager_rounds": runs[False], "compiled_rounds": runs[True]}
 
 

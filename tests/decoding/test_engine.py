@@ -445,19 +445,19 @@ def test_a_compiled_engine_serves_speculative_requests_as_alone(tiny_models, alo
         assert drafter.runner.static is not None  # the draft's one-token steps compiled too
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "compile", "compile_flat"])
 @pytest.mark.parametrize("backend", list(SERVING))
-def test_tree_decoding_in_the_engine_serves_each_request_as_alone(tiny_models, alone, backend, compiled,
-                                                                  monkeypatch):
+def test_tree_decoding_in_the_engine_serves_each_request_as_alone(tiny_models, alone, backend, mode, monkeypatch):
     """The tree decoder (prompt lookup, width 2, depth 3) serving arrivals with chunked
     prefill: a step's chunks run in a forward of their own just before the tree's verify;
-    every request's output is its greedy output alone, on every backend. Compiled with flat
-    graphs, the trees verify through them (their plans booked by the runner, `tree`);
-    through dynamo's `eager` backend."""
+    every request's output is its greedy output alone, on every backend. Compiled, the
+    trees verify through the runner's flat graphs (their plans booked by the runner,
+    `tree`) and nothing else does; with compile_flat the other forwards too. Through
+    dynamo's `eager` backend."""
     from decodelab.decoding.drafters import prompt_lookup
     from decodelab.decoding.tree_speculative import TreeSpeculativeDecoder
 
-    if compiled:
+    if mode != "eager":
         eager_backend(monkeypatch)
     m = tiny_models["llama"].model
     prompts, expected = alone["llama", backend]
@@ -472,10 +472,12 @@ def test_tree_decoding_in_the_engine_serves_each_request_as_alone(tiny_models, a
     monkeypatch.setattr(ModelRunner, "forward_segments", lambda self, segments, plans=None: flat_trees.append(
         plans is not None) or forward(self, segments, plans))
     r = serve(m, cache_for(m, 3, 80, factory), decoder, requests(prompts, 0.005), token_budget=16,
-              compile=compiled, compile_flat=compiled)
+              compile=mode != "eager", compile_flat=mode == "compile_flat")
     assert [x.tokens for x in r.requests] == expected
     assert decoder.stats["acceptance_rate"] > 0 and any(chunked)  # drafts were kept; chunks ran beside tree rounds
-    assert (r.flat_forwards > 0) == any(flat_trees) == compiled
+    trees = sum(flat_trees)  # tree verifies through the flat graphs
+    assert {"eager": r.flat_forwards == trees == 0, "compile": r.flat_forwards == trees > 0,
+            "compile_flat": r.flat_forwards > trees > 0}[mode]
 
 
 def test_compile_in_the_engine_is_refused_where_it_cannot_run(tiny_models):

@@ -153,3 +153,28 @@ def test_a_decoder_steps_through_a_runner_and_names_the_old_call(tiny_llama):
         dec.step(m, cache, last)
     assert cache.lengths.tolist() == [6, 6]  # nothing ran
     assert dec.step(runner, last) == [[t] for t in want.argmax(-1).tolist()]
+
+
+@torch.no_grad()
+def test_a_tree_whose_compiled_forward_fails_rolls_its_rows_back(tiny_llama):
+    """A tree booked on the cache (`runner.tree`) whose flat graph fails leaves every row as
+    it held; an eager runner refuses plans booked by its caller."""
+    from decodelab.decoding import model_runner
+    from decodelab.models.errors import SetupError
+
+    m = tiny_llama.model
+    cache = cache_for(m, 2, 48)
+    runner = model_runner(m, cache)
+    runner.prefill([random_ids(7, m.cfg.vocab_size, 1), random_ids(4, m.cfg.vocab_size, 2)])
+    with pytest.raises(SetupError, match="booked plans run through a compiled runner"):
+        runner.forward_segments([Segment(torch.zeros(2, 1, dtype=torch.long), cache.lengths[:, None])], plans=[None])
+    flat = ModelRunner(m, cache, compile=True, max_tokens=8, backend="eager")
+
+    def broken(*a):
+        raise RuntimeError("graph failed")
+    flat.fn = broken
+    parents = torch.tensor([[-1, 0, 0], [-1, 0, 1]])  # two trees of 3 nodes
+    positions = cache.lengths[:, None] + torch.tensor([[0, 1, 1], [0, 1, 2]])
+    with pytest.raises(RuntimeError, match="graph failed"):
+        flat.tree(torch.ones(2, 3, dtype=torch.long), positions, parents)
+    assert cache.lengths.tolist() == [7, 4]
