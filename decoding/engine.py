@@ -58,8 +58,8 @@ static step (decoding/compiled.py; any backend with a `static_plan`, int4's host
 included), compiled once before the first request; other steps stay eager. With a
 speculative decoder of a fixed gamma it compiles the verify of gamma + 1 tokens
 (`compiled_verify`: a round in which every row verifies and no prefill chunk shares the
-forward) and a draft model's one-token steps; a tree decoder's trees run through the
-runner's flat graphs (below). With `compile_flat=True` too, every other
+forward) and a draft model's one-token steps (a tree decoder's trees have no static step:
+they run eagerly, or flat with `compile_flat`). With `compile_flat=True` too, every other
 forward (some rows decode, prefill chunks beside decode rows, a shorter last verify) runs
 through the compiled model runner's flat token batches (decoding/runner.py: one graph per
 bucket of up to 64 tokens, each backend's own attention inside it); longer forwards stay
@@ -178,11 +178,11 @@ class EngineResult:
     steps: int = 0
     compiled_steps: int = 0  # steps through a compiled static step (`compile=True`): decode steps or verify rounds
     #: compiling at the start of the run, before any request's clock: the static step (compile=True), the
-    #: flat graphs (compile_flat, a tree decoder's) and a draft model's one-token steps (compile=True, or the
+    #: flat graphs (compile_flat) and a draft model's one-token steps (compile=True, or the
     #: draft's own `compile`)
     compile_s: float = 0.0
     #: forwards through the compiled runner's flat token batches (`compile_flat=True`: every forward but the
-    #: static step's and those larger than its largest bucket; a tree decoder's trees under compile=True)
+    #: static step's and those larger than its largest bucket, a tree decoder's trees included)
     flat_forwards: int = 0
 
 
@@ -219,7 +219,7 @@ def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list
     """`compile`: a bool; where true, a cache with a compiled step (its `static_plan`) of the
     tokens a step feeds per row: one, or a speculative decoder's fixed gamma + 1
     (`verify_tokens`; adaptive gamma and drafters that read hidden states verify eagerly);
-    a tree decoder's trees run through the runner's flat graphs instead (any cache).
+    a tree decoder's trees have no static step (eager, or the flat graphs with compile_flat).
     `compile_flat`: a bool, true only with `compile`."""
     if not isinstance(compile_flat, bool) or (compile_flat and compile is not True):
         return [f"compile_flat must be true or false, and true only with compile=True (the runner's flat batches "
@@ -229,7 +229,7 @@ def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list
     if not compile:
         return []
     tokens = 1
-    if getattr(decoder, "verifies_tree", False):  # its trees vary in size: the runner's flat graphs verify them
+    if getattr(decoder, "verifies_tree", False):  # trees vary in size: eager, or the flat graphs (compile_flat)
         return []
     if decoder.lookahead:
         tokens = getattr(decoder, "verify_tokens", None)

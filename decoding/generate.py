@@ -156,7 +156,7 @@ def compile_problems(cache, decoder) -> list[str]:
     decoder's one-token step runs compiled over `cache`; a speculative decoder compiles its
     drafter's steps (their cache checked where it is built) and its verify where the cache
     plans a step of that many tokens (else the verify stays eager); a tree decoder's trees
-    run through the runner's flat graphs (`model_runner`)."""
+    (of varying size) stay eager."""
     if getattr(decoder, "compiles_drafter", False):
         return []
     if not getattr(decoder, "takes_compiled_step", False):
@@ -307,8 +307,8 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     (decoding/compiled.py), compiled before the prefill (once per model, batch and cache
     capacity in a process); with a speculative decoder it compiles a draft model's
     one-token steps and the verify of gamma + 1 tokens (`compiled_verify`: a fixed gamma, a
-    cache that plans it; a last shorter round and rounds with finished rows verify eagerly),
-    and a tree decoder's verifies as flat graphs (decoding/runner.py). That time, and a
+    cache that plans it; a last shorter round and rounds with finished rows verify eagerly;
+    a tree decoder's verifies stay eager). That time, and a
     drafter's own compile (`draft.compile`), is `compile_s`, and the token times leave it
     out (they count from `t_start` plus it)."""
     events = stream_tokens(model, cache, decoder, prompts, max_new_tokens, eos_ids=eos_ids, stop=stop,

@@ -5,10 +5,9 @@
 decoder's `step(runner, last, done, left)` asks for: one token a row (`decode`), a
 speculative verify (`verify`, optionally with hidden states for a drafter that reads
 them), a tree of drafts (`tree`). Compiled, `decode` and a verify of fixed size run the
-static step (decoding/compiled.py) where every row takes part; the other forwards run the
-flat graphs below where the runner has them (a tree decoder's trees always do), else
-eagerly. The serving engine's step runs through `execute` (a `StepPlan` in, a
-`StepOutput` out).
+static step (decoding/compiled.py) where every row takes part; the other forwards, trees
+included, run the flat graphs below where the runner has them, else eagerly. The serving
+engine's step runs through `execute` (a `StepPlan` in, a `StepOutput` out).
 
 A forward over segments (decode rows, prefill chunks, a verify's gamma + 1 tokens, any
 mix of them) runs eagerly or as one flat token batch through a compiled graph of a
@@ -157,9 +156,6 @@ class ModelRunner:
         #: an engine step's verify forward, shared with its prefill chunks (`execute`); None outside one
         self.shared = None
         self.buckets = buckets_for(max_tokens) if compile else ()
-        #: the flat graphs serve trees of drafts only (`tree`); every other forward runs eagerly
-        #: (`model_runner`: a tree decoder compiled without `flat_tokens`)
-        self.trees_only = False
         self.compiled_forwards = self.eager_forwards = self.static_steps = 0
         self.compile_s = 0.0  # seconds `model_runner` spent compiling
         self.fn = None
@@ -194,7 +190,7 @@ class ModelRunner:
     def forward_segments(self, segments: list[Segment], plans: list | None = None) -> list[torch.Tensor]:
         """Logits per segment, as `Transformer.forward_segments` returns them. `plans`: each
         segment's plan, booked by the caller (a tree's, `tree`); compiled only."""
-        if not self.compile or (self.trees_only and plans is None):
+        if not self.compile:
             if plans is not None:
                 raise SetupError("booked plans run through a compiled runner's flat graphs; an eager runner plans "
                                  "its own forward (pass plans=None)")
@@ -260,7 +256,7 @@ class ModelRunner:
             self.static_steps += 1
             return self.static.step(last)
         positions = self.cache.lengths[:, None].to(self.model.device)  # [B, 1]
-        if self.compile and not self.trees_only:
+        if self.compile:
             return self.forward_segments([Segment(last[:, None], positions)])[0][:, -1]
         return self.forward(last[:, None], positions)[:, -1]
 
@@ -283,7 +279,7 @@ class ModelRunner:
         if s is not None and s.tokens == ids.shape[1] > 1 and bool(valid.all()):
             self.static_steps += 1
             return s.step(ids)
-        rows = valid.any(1).nonzero().flatten().tolist() if self.compile and not self.trees_only else []
+        rows = valid.any(1).nonzero().flatten().tolist() if self.compile else []
         if rows:  # flat graphs over the verifying rows only (a frozen row's attention is waste)
             logits = self.forward_segments([Segment(ids[rows], positions[rows], valid[rows], rows)])[0]
             full = logits.new_zeros(ids.shape[0], *logits.shape[1:])  # [B, T, V]: zeros at the frozen rows
@@ -456,19 +452,17 @@ def model_runner(model, cache, decoder=None, compile: bool = False, flat_tokens:
     model run every forward through. Eager; with `compile`, its static step compiled now:
     for a `decoder` that looks ahead the verify of its fixed gamma + 1 tokens where the
     cache plans one (`compiled_verify`; else the verify runs eagerly), else a one-token
-    step (`compiled_step`); for a decoder that verifies trees of drafts, flat graphs that
-    hold its trees (and serve trees only, `trees_only`, unless `flat_tokens` is given); with
-    `flat_tokens`, flat graphs of up to that many tokens (`compiled_runner`) for every other
-    forward too. `compile_s`: the seconds that took."""
+    step (`compiled_step`); a tree decoder's trees (of varying size) have no static step;
+    with `flat_tokens`, flat graphs of up to that many tokens (`compiled_runner`) for every
+    other forward, trees included. `compile_s`: the seconds that took. (Trees through flat
+    graphs measured slower than eager at batch 1 on a 2-core CPU, 0.89-0.99x, so compile
+    alone leaves them eager: experiments/results/fastpath-s40.)"""
     t = time.perf_counter()
-    trees = compile and getattr(decoder, "verifies_tree", False)  # trees vary in size: flat graphs verify them
-    size = max(flat_tokens, cache.batch_size * decoder.nodes) if trees else flat_tokens
-    r = compiled_runner(model, cache, size, BACKEND) if size else ModelRunner(model, cache)
-    r.trees_only = trees and not flat_tokens
+    r = compiled_runner(model, cache, flat_tokens, BACKEND) if flat_tokens else ModelRunner(model, cache)
     if compile:
         lookahead = getattr(decoder, "lookahead", 0)
         r.static = (compiled.compiled_verify(model, cache, decoder, BACKEND) if lookahead else
                     compiled.compiled_step(model, cache, BACKEND))
-    if r.static is not None or size:  # something compiled (a verify the cache cannot plan: nothing)
+    if r.static is not None or flat_tokens:  # something compiled (a verify the cache cannot plan: nothing)
         r.compile_s = time.perf_counter() - t
     return r

@@ -81,8 +81,8 @@ class TreeSpeculativeDecoder(SpeculativeDecoder):
     `propose_tree(last, depth, width)` and `accept(tokens, active)` (prompt lookup)."""
 
     #: a tree's verify runs in a forward of its own (`ModelRunner.tree`): the serving engine
-    #: runs a step's prefill chunks just before it, and a compiled runner verifies the trees
-    #: through its flat graphs (their sizes vary)
+    #: runs a step's prefill chunks just before it; there is no static compiled step of a
+    #: tree (their sizes vary): the engine's flat graphs (`compile_flat`) verify them
     verifies_tree = True
 
     def __init__(self, drafter, depth: int | None = None, width: int = 3, seed: int = 0):

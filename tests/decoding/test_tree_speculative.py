@@ -45,22 +45,16 @@ def test_tree_decoding_is_greedy_decoding(tiny_models, name, backend):
     assert s["acceptance_rate"] > 0  # ...because drafts were accepted
 
 
-@pytest.mark.parametrize("backend", ["dense", "paged", "int4", "sliding-imposed"])
-def test_compiled_tree_decoding_is_greedy_decoding(tiny_models, backend, monkeypatch):
-    """generate(compile=True) with the tree decoder: its runner verifies the trees through
-    flat graphs (every tree of 2 rows x 10 nodes in one bucket), each backend's own
-    attention on the tree's plan inside them; the output is still greedy's, and the
-    verifies did run compiled. Through dynamo's `eager` backend."""
-    import decodelab.decoding.runner as runner
-
-    monkeypatch.setattr(runner, "BACKEND", "eager")
+def test_compile_true_leaves_the_trees_eager(tiny_models):
+    """generate(compile=True) with the tree decoder: its trees have no static step and stay
+    eager (the flat graphs measured slower at batch 1); nothing is compiled, the output is
+    greedy's."""
     m = tiny_models["llama"].model
     ps = prompts(m.cfg.vocab_size)
-    want = generate(m, cache_for(m, 2, 96, BACKENDS[backend]), greedy(), ps, 24).tokens
-    decoder = TreeSpeculativeDecoder(PromptLookupDrafter(), depth=3, width=3)
-    got = generate(m, cache_for(m, 2, 96, BACKENDS[backend]), decoder, ps, 24, compile=True)
-    assert got.tokens == want and decoder.stats["acceptance_rate"] > 0
-    assert got.compiled_steps == decoder.stats["target_calls"] > 0 and got.compile_s > 0
+    want = generate(m, cache_for(m, 2, 96), greedy(), ps, 24).tokens
+    got = generate(m, cache_for(m, 2, 96), TreeSpeculativeDecoder(PromptLookupDrafter(), depth=3), ps, 24,
+                   compile=True)
+    assert got.tokens == want and got.compiled_steps == 0 and got.compile_s == 0.0
 
 
 def test_the_linear_and_the_tree_decoder_agree_with_greedy_in_their_own_way(tiny_models):
