@@ -308,9 +308,9 @@ def generate(model, cache, decoder, prompts: list[list[int]], max_new_tokens: in
     capacity in a process); with a speculative decoder it compiles a draft model's
     one-token steps and the verify of gamma + 1 tokens (`compiled_verify`: a fixed gamma, a
     cache that plans it; a last shorter round and rounds with finished rows verify eagerly;
-    a tree decoder's verifies stay eager). That time, and a
-    drafter's own compile (`draft.compile`), is `compile_s`, and the token times leave it
-    out (they count from `t_start` plus it)."""
+    a tree decoder's verifies stay eager). That time, and a drafter's own compile
+    (`draft.compile`), is `compile_s`, and the token times leave it out (they count from
+    `t_start` plus it)."""
     events = stream_tokens(model, cache, decoder, prompts, max_new_tokens, eos_ids=eos_ids, stop=stop,
                            tokenizer=tokenizer, prefill_chunk=prefill_chunk, t_start=t_start,
                            tokenize_s=tokenize_s, compile=compile, detokenize=on_token is not None)
