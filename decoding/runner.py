@@ -199,7 +199,10 @@ class ModelRunner:
                   for s in segments]
         n = sum(int(v.sum()) for v in valids)
         bucket = next((b for b in self.buckets if b >= n), None)
-        if bucket is None and plans is None:
+        if bucket is None:
+            if plans is not None:  # booked by the caller (who rolls them back): a graph must hold them
+                raise SetupError(f"a forward of {n} tokens with its own plan is longer than the largest compiled "
+                                 f"bucket ({self.buckets[-1]}); build the runner with max_tokens >= {n}")
             self.eager_forwards += 1
             return self.model.forward_segments(segments, self.cache)
         before = self.cache.lengths.clone()
@@ -209,9 +212,6 @@ class ModelRunner:
         elif plans is None:
             plans = self.model.plan_segments(self.cache, segments)  # books them all (a refusal rolls back)
         try:
-            if bucket is None:  # booked by the caller, too long for a graph: the eager layers on its plan
-                raise SetupError(f"a forward of {n} tokens with its own plan is longer than the largest compiled "
-                                 f"bucket ({self.buckets[-1]}); build the runner with max_tokens >= {n}")
             packed = Packed([v.to(segments[0].ids.device) for v in valids])
             ids, pos = self.bufs[bucket]
             ids[n:], pos[n:] = 0, 0  # the padding
@@ -454,9 +454,8 @@ def model_runner(model, cache, decoder=None, compile: bool = False, flat_tokens:
     cache plans one (`compiled_verify`; else the verify runs eagerly), else a one-token
     step (`compiled_step`); a tree decoder's trees (of varying size) have no static step;
     with `flat_tokens`, flat graphs of up to that many tokens (`compiled_runner`) for every
-    other forward, trees included. `compile_s`: the seconds that took. (Trees through flat
-    graphs measured slower than eager at batch 1 on a 2-core CPU, 0.89-0.99x, so compile
-    alone leaves them eager: experiments/results/fastpath-s40.)"""
+    other forward, trees included (`compile` alone leaves trees eager: why, in
+    experiments/results/fastpath-s40). `compile_s`: the seconds that took."""
     t = time.perf_counter()
     r = compiled_runner(model, cache, flat_tokens, BACKEND) if flat_tokens else ModelRunner(model, cache)
     if compile:
