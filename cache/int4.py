@@ -46,8 +46,10 @@ One forward (all of it planned once, in `plan`, the value every layer's `attend`
    the dequantized one iff p < V(q). A forward of more than `attention_chunk` queries (a
    long prefill) does this per chunk of queries, so each chunk reads only the keys it
    needs. Nothing dequantized is kept between calls (no fp mirror: that would give the
-   memory back). With `impl: triton` (the default on CUDA) a decode-sized forward instead
-   runs cache/kernels/int4.py, which unpacks the codes in registers (the same rule).
+   memory back). A decode-sized forward instead runs a kernel of cache/kernels/int4.py
+   that reads the codes in place (the same rule): `impl: triton` (the default on CUDA) or
+   `impl: native`, decodelab's CPU kernel (the default on a CPU where it serves: 4-bit, the
+   KIVI axes, fp32).
 3. drop the exact copies no future query can need: P0 <- max(P0, min(Qs, V(len - rollback))).
 
 Why step 3 is exact (the rule for keeping full precision). A later forward starts at the
@@ -78,7 +80,7 @@ import torch
 from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_causal, reference_attention
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
-from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_triton
+from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_native, int4_attention_triton, native_serves
 from decodelab.cache.static import HostPlan
 from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
@@ -166,22 +168,56 @@ class QuantizedCache(KVCache):
                  rollback: int = 16, impl: str = "auto"):
         flush = group_size if flush is None else flush
         reasons = option_problems(layout, nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype,
-                                  rollback) + impl_problems(impl, layout.device)
+                                  rollback)
+        reasons += [] if impl == "native" else impl_problems(impl, layout.device)
         try:
             super().__init__(layout, batch_size, capacity)
         except SetupError as e:
             reasons = e.reasons + reasons
         raise_if(reasons)
-        self.rollback_limit, self.impl = rollback, resolve_impl(impl, layout.device)  # impl: cache/kernels/dispatch
+        self.rollback_limit = rollback
         self._options = (nbits, group_size, residual, key_axis, value_axis, flush, scale_dtype, rollback)
         self.residual, self.flush, self.nbits = residual, flush, nbits
         self.scale_dtype = SCALE_DTYPES[scale_dtype]
         D = layout.head_dim
         self.key_grouping = Grouping(key_axis, effective_group(key_axis, group_size, D), nbits)
         self.value_grouping = Grouping(value_axis, effective_group(value_axis, group_size, D), nbits)
+        self.impl = self._resolve_impl(impl)  # 'reference', 'triton' or 'native' (cache/kernels/dispatch, int4)
         # a window starts dequantizing at a multiple of this many tokens
         self.align = max(self.key_grouping.tokens_per_index, self.value_grouping.tokens_per_index)
         self.reset()
+
+    def native_problem(self) -> str | None:
+        """Why decodelab's native CPU kernel cannot attend over this cache (None: it can)."""
+        lay = self.layout
+        if lay.device.type != "cpu":
+            return f"the native int4 attention runs on a CPU, not {lay.device.type} (impl=triton runs on CUDA)"
+        why = native_serves(self.key_grouping, self.value_grouping, lay.head_dim, lay.dtype, lay.softcap)
+        if why is None:
+            from decodelab.models import native
+
+            why = native.problem()
+        return why
+
+    def _resolve_impl(self, impl: str) -> str:
+        """auto: the Triton kernel on CUDA, decodelab's native kernel on a CPU where it serves
+        these options (else the reference, said once on stderr when the kernels cannot be built);
+        native: refused, with the reason, where it cannot serve."""
+        if impl == "native":
+            why = self.native_problem()
+            raise_if([f"impl=native cannot attend over this cache: {why}; use impl=auto or impl=reference"]
+                     if why else [])
+            return "native"
+        resolved = resolve_impl(impl, self.layout.device)
+        if impl == "auto" and resolved == "reference" and self.layout.device.type == "cpu":
+            why = self.native_problem()
+            if why is None:
+                return "native"
+            from decodelab.models import native
+
+            if native.problem():
+                native.note_fallback("int4 KV attention")
+        return resolved
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, nbits: int = 4,
@@ -272,7 +308,7 @@ class QuantizedCache(KVCache):
         self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
         self.quantized_len[r], self.exact_start[r] = q_to, p0_new  # what every layer holds once this forward is done
         # decode-sized and causal: one view, the kernel (a tree of drafts takes the reference)
-        kernel = self.impl == "triton" and T <= min(DECODE_QUERIES, C) and tree is None
+        kernel = self.impl != "reference" and T <= min(DECODE_QUERIES, C) and tree is None
         dev = self.layout.device
         kernel_q = (qeff.to(dev, torch.int32), vis.to(dev, torch.int32)) if kernel else None
         return extend(base, Int4Plan, new_tokens=n.tolist(), exact_start=p0.tolist(), quantize_from=qs.tolist(),
@@ -334,22 +370,28 @@ class QuantizedCache(KVCache):
         `layer` holds, each key in the version its position calls for: the read half of
         `attend`, repeatable, storing nothing. Valid once that forward's `attend` stored the
         layer's K/V (`attend` calls it in between). `impl`: 'reference' (dequantize into
-        scratch buffers, then SDPA) or 'triton' (cache/kernels/int4.py); None: the plan's choice."""
-        if impl not in (None, self.impl):
+        scratch buffers, then SDPA), 'triton' (cache/kernels/int4.py, CUDA) or 'native'
+        (decodelab's CPU kernel over the codes in place); None: the plan's choice (a kernel
+        for decode-sized forwards, the reference for longer ones and trees)."""
+        if impl == "native":
+            raise_if([f"impl=native: {why}"] if (why := self.native_problem()) else [])
+        elif impl not in (None, self.impl):
             raise_if(impl_problems(impl, self.layout.device))
         views = plan.views[self.layout.windows[layer]]
         starts = self._exact_starts(layer, plan)
-        kernel = plan.kernel_q is not None if impl is None else resolve_impl(impl, self.layout.device) == "triton"
-        if kernel and plan.tree is not None:
-            raise SetupError("the int4 Triton kernel attends causally: a tree of draft tokens takes impl=reference")
+        kernel = (self.impl if plan.kernel_q is not None else "reference") if impl is None else \
+            resolve_impl(impl, self.layout.device)
+        if kernel != "reference" and plan.tree is not None:
+            raise SetupError(f"the int4 {kernel} kernel attends causally: a tree of draft tokens takes impl=reference")
+        run = {"triton": int4_attention_triton, "native": int4_attention_native}.get(kernel)
         lay, outs = self.layout, []
         for chunk, view in enumerate(views):  # one, unless the forward is long
             cols = slice(view.query_from, view.query_to)
             self._check_exact(layer, view, starts)
-            if kernel:
+            if run is not None:
                 qpos, vis = plan.kernel_q if plan.kernel_q is not None else self.kernel_queries(plan)
-                outs.append(int4_attention_triton(q[:, :, cols], self.kernel_rows(layer, plan, chunk), qpos[:, cols],
-                                                  vis[:, cols], lay.softmax_scale, lay.windows[layer], lay.softcap))
+                outs.append(run(q[:, :, cols], self.kernel_rows(layer, plan, chunk), qpos[:, cols], vis[:, cols],
+                                lay.softmax_scale, lay.windows[layer], lay.softcap))
                 continue
             keys, values = self._gather(layer, view, plan, starts)  # [B, Hkv, S, D] each
             outs.append(reference_attention(q[:, :, cols], keys, values, view.mask, lay.softmax_scale, lay.softcap,

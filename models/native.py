@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 #: the kernels' sources, package data of decodelab.models (pyproject's package-data)
 SOURCES = ("kernels/native_kernels.cpp", "kernels/native_ops.cpp")
 #: compiler flags for both sources (cpp_extension adds torch's includes, -fPIC, -std=c++...)
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _problem: str | None = None
 _checked = False
 _library: Path | None = None
@@ -115,9 +115,9 @@ def _build() -> None:
     if os.uname().machine not in ("x86_64", "AMD64"):
         _problem = f"decodelab's native kernels are x86 (AVX2) code; this machine is {os.uname().machine}"
         return
-    missing = {"avx2", "fma"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
     if missing:
-        _problem = f"decodelab's native kernels need AVX2 and FMA; this CPU lacks {sorted(missing)}"
+        _problem = f"decodelab's native kernels need AVX2, FMA and F16C; this CPU lacks {sorted(missing)}"
         return
     cxx = os.environ.get("CXX", "c++")
     _problem = _toolchain_problem(cxx)
@@ -139,6 +139,8 @@ def _build() -> None:
             lambda q, keys, values, pos, scale, window: q.new_empty(q.shape))
         torch.library.register_fake("decodelab::paged_decode_attention")(
             lambda q, k_pool, v_pool, table, pos, scale, window: q.new_empty(q.shape))
+        torch.library.register_fake("decodelab::int4_decode_attention")(
+            lambda q, *stores_and_options: q.new_empty(q.shape))
     except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
         _problem = (f"loading decodelab's native kernels from {out} failed ({type(e).__name__}: {e}); delete "
                     f"{out.parent} to rebuild them")
@@ -253,3 +255,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     `gather_rows` does) -> [B, Hq, T, D] (the operator
     decodelab::paged_decode_attention)."""
     return _ops().paged_decode_attention(q, k_pool, v_pool, table, pos, scale, window or 0)
+
+
+def int4_decode_attention(q: torch.Tensor, stores: list[list[torch.Tensor]], spans: torch.Tensor, qpos: torch.Tensor,
+                          vis: torch.Tensor, scale: float, window: int | None, key_group: int,
+                          value_group: int) -> torch.Tensor:
+    """Decode attention of q [B, Hq, T, D] (fp32) straight from an int4 cache layer's stores
+    (cache/int4.py; keys per channel in groups of `key_group` tokens, values per token in
+    groups of `value_group` channels): `stores` holds, per kind, one tensor per row, in the
+    order key codes, key scales, key shifts, value codes, value scales, value shifts, exact
+    keys, exact values; spans [B, 5] = (dequant_from, dequant_to, exact_from, exact_to,
+    exact_start); qpos, vis [B, T]: each query's position and V(q). Reads the packed codes in
+    place -> [B, Hq, T, D] (the operator decodelab::int4_decode_attention)."""
+    return _ops().int4_decode_attention(q, *stores, spans, qpos, vis, scale, window or 0, key_group, value_group)

@@ -92,3 +92,38 @@ def int4_attention_triton(q, rows, qpos, vis, scale, window=None, softcap=None, 
 
     return int4_triton.int4_attention(q, rows, qpos, vis, scale, window, softcap, num_splits)
 
+
+
+def native_serves(key_grouping: Grouping, value_grouping: Grouping, head_dim: int, dtype: torch.dtype,
+                  softcap: float | None) -> str | None:
+    """Why decodelab's native CPU kernel cannot attend over int4 stores of this kind (None:
+    it can): it reads 4-bit codes with the KIVI axes (keys per channel, values per token in
+    groups of a multiple of 16 channels), fp32 exact stores, no logit softcap."""
+    if key_grouping.bits != 4 or value_grouping.bits != 4:
+        return f"the native int4 attention reads 4-bit codes, not {key_grouping.bits}-bit"
+    if (key_grouping.axis, value_grouping.axis) != ("channel", "token"):
+        return ("the native int4 attention reads the KIVI axes (key_axis=channel, value_axis=token), not "
+                f"key_axis={key_grouping.axis}, value_axis={value_grouping.axis}")
+    if dtype != torch.float32 or softcap is not None or head_dim % 8 or value_grouping.size % 16:
+        return "the native int4 attention serves float32 caches without a logit softcap, head size a multiple of 8"
+    return None
+
+
+def int4_attention_native(q, rows: Int4Rows, qpos, vis, scale, window=None, softcap=None,
+                          num_splits=None) -> torch.Tensor:
+    """decodelab's native CPU kernel of `int4_attention_reference` (same arguments, same
+    result up to float rounding; `native_serves` says which stores it takes): the packed
+    codes attended in place, keys' scales folded into the query per group, values' into the
+    softmax weights; work split by kv head and by chunk of the context, softmaxes merged."""
+    from decodelab.models import native
+
+    if softcap is not None:
+        raise ValueError("the native int4 attention has no logit softcap; use the reference")
+    stores = [[getattr(rows.key_codes[b], f) for b in range(len(rows.key_codes))] for f in ("data", "scale", "offset")]
+    stores += [[getattr(rows.value_codes[b], f) for b in range(len(rows.value_codes))]
+               for f in ("data", "scale", "offset")]
+    stores += [list(rows.key_exact), list(rows.value_exact)]
+    spans = torch.tensor([rows.dequant_from, rows.dequant_to, rows.exact_from, rows.exact_to, rows.exact_start],
+                         dtype=torch.long).T.reshape(-1, 5)
+    return native.int4_decode_attention(q, stores, spans, qpos, vis, scale, window, rows.key_grouping.size,
+                                        rows.value_grouping.size)

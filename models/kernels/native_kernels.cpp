@@ -1,6 +1,6 @@
 /* decodelab's CPU kernels for weight-only int8 / int4 projections and decode attention
-   (x86 with AVX2 and FMA). What each computes, and why: models/native.py. Built with
-   torch.utils.cpp_extension (as C++, -O3 -mavx2 -mfma -fopenmp) together with
+   (x86 with AVX2, FMA and F16C). What each computes, and why: models/native.py. Built with
+   torch.utils.cpp_extension (as C++, -O3 -mavx2 -mfma -mf16c -fopenmp) together with
    native_ops.cpp, which registers them as torch operators; plain C in style, C linkage. */
 
 #include <immintrin.h>
@@ -226,6 +226,35 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
     return 0;
 }
 
+/* Merge the flash-decoding partials part[(r * C + c) * g + j] = (max, sum, unnormalized
+   output [D]) of `rows` (b, kv head, t) x C chunks x g query heads into out [B, Hq, T, D]:
+   each chunk rescaled to the common max; a query that saw no slot gets zeros. */
+static void merge_parts(const float* part, int64_t rows, int64_t C, int64_t g, int64_t T, int64_t Hkv, int64_t Hq,
+                        int64_t D, float* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
+        for (int64_t j = 0; j < g; j++) {
+            float* o = out + ((b * Hq + hk * g + j) * T + t) * D;
+            float mx = -INFINITY, sum = 0.f;
+            for (int64_t c = 0; c < C; c++) {
+                float m = part[((r * C + c) * g + j) * (D + 2)];
+                if (m > mx) mx = m;
+            }
+            for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+            if (mx == -INFINITY) continue;  /* no slot seen: zeros */
+            for (int64_t c = 0; c < C; c++) {
+                const float* pr = part + ((r * C + c) * g + j) * (D + 2);
+                if (pr[0] == -INFINITY) continue;
+                float f = expf(pr[0] - mx);
+                sum += f * pr[1];
+                for (int64_t d = 0; d < D; d++) o[d] += f * pr[2 + d];
+            }
+            float inv = 1.f / sum;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+}
+
 /* Attention of decode-shaped queries over a row-major cache: out[b, h, t] = softmax over the
    slots s this query sees (s <= pos[b, t], and s > pos[b, t] - window where window > 0) of
    (q[b, h, t] . k[b, h / g, s]) * scale, times v[b, h / g, s], g = Hq / Hkv; fp32 throughout.
@@ -307,30 +336,311 @@ int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t
 #undef DL_SLOT
         free(sc);
     }
-    if (!failed) {  /* merge the chunks: each rescaled to the common max */
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
-            for (int64_t j = 0; j < g; j++) {
-                float* o = out + ((b * Hq + hk * g + j) * T + t) * D;
-                float mx = -INFINITY, sum = 0.f;
-                for (int64_t c = 0; c < C; c++) {
-                    float m = part[((r * C + c) * g + j) * (D + 2)];
-                    if (m > mx) mx = m;
-                }
-                for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-                if (mx == -INFINITY) continue;  /* no slot seen: zeros */
-                for (int64_t c = 0; c < C; c++) {
-                    const float* pr = part + ((r * C + c) * g + j) * (D + 2);
-                    if (pr[0] == -INFINITY) continue;
-                    float f = expf(pr[0] - mx);
-                    sum += f * pr[1];
-                    for (int64_t d = 0; d < D; d++) o[d] += f * pr[2 + d];
-                }
-                float inv = 1.f / sum;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
-            }
+    if (!failed) merge_parts(part, rows, C, g, T, Hkv, Hq, D, out);
+    free(part);
+    return failed ? -1 : 0;
+}
+
+/* e^x for 8 lanes (Cephes' expf: range reduction by ln 2, a degree-5 polynomial, within
+   2 ulp of expf); x below -87.3, -inf included, gives 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+/* e[i] <- exp(e[i] - mx) for i < n; returns their sum. */
+static inline float exp_sum(float* e, int64_t n, float mx) {
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + i), m));
+        _mm256_storeu_ps(e + i, v);
+        acc = _mm256_add_ps(acc, v);
+    }
+    float sum = hsum(acc);
+    for (; i < n; i++) { e[i] = expf(e[i] - mx); sum += e[i]; }
+    return sum;
+}
+
+/* Scales and shifts of an int4 cache as stored (scale_dtype: kind 0 fp16, 1 bf16, 2 fp32), as fp32. */
+static inline __m256 scale8(const void* p, int kind, int64_t i) {
+    if (kind == 2) return _mm256_loadu_ps((const float*)p + i);
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    if (kind == 0) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float scale1(const void* p, int kind, int64_t i) {
+    if (kind == 2) return ((const float*)p)[i];
+    uint16_t h = ((const uint16_t*)p)[i];
+    if (kind == 0) return _cvtsh_ss(h);
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)h << 16;
+    return x.f;
+}
+
+/* 8 codes (0..15) as fp32: the low (hi = 0) or high (hi = 1) nibbles of 8 bytes at p. */
+static inline __m256 nib8(const uint8_t* p, int hi) {
+    __m128i v = _mm_loadl_epi64((const __m128i*)p);
+    if (hi) v = _mm_srli_epi16(v, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F))));
+}
+
+/* The four sums of a, b, c, d's lanes. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+/* Scores of JN (1..4) query heads against the two tokens of byte row `row` of a key group
+   (its D codes: token r in the low nibbles, token r + KG/2 in the high ones): qs [JN, D] the
+   query folded with the group's scales, qo [JN] with its shifts. out_lo / out_hi [JN]. */
+static inline __attribute__((always_inline)) void key_pair(const int JN, const uint8_t* row, const float* qs,
+        const float* qo, int64_t D, float* out_lo, float* out_hi) {
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t d = 0; d < D; d += 8) {
+        __m128i v = _mm_loadl_epi64((const __m128i*)(row + d));
+        __m256 cl = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
+        __m256 ch = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        for (int j = 0; j < JN; j++) {
+            __m256 qv = _mm256_loadu_ps(qs + j * D + d);
+            lo[j] = _mm256_fmadd_ps(cl, qv, lo[j]);
+            hi[j] = _mm256_fmadd_ps(ch, qv, hi[j]);
         }
     }
+    float l[4], h[4];
+    _mm_storeu_ps(l, hsum4(lo[0], lo[1], lo[2], lo[3]));
+    _mm_storeu_ps(h, hsum4(hi[0], hi[1], hi[2], hi[3]));
+    for (int j = 0; j < JN; j++) { out_lo[j] = l[j] + qo[j]; out_hi[j] = h[j] + qo[j]; }
+}
+
+/* o_j[r .. r + 8) += sum_s wv[j, s] code_lo(s) and o_j[r + VR ..) += sum_s wv[j, s] code_hi(s)
+   over n tokens whose codes for this group lie at row + s * step (bytes r .. r + 8 of each),
+   for JN (1..4) query heads: wv [JN, ws] (stride ws), o_j = o + j * os. */
+static inline __attribute__((always_inline)) void value_cols(const int JN, const uint8_t* row, int64_t step,
+        int64_t n, const float* wv, int64_t ws, float* o, int64_t os, int64_t VR) {
+    __m256 lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t s = 0; s < n; s++) {
+        __m128i v = _mm_loadl_epi64((const __m128i*)(row + s * step));
+        __m256 cl = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
+        __m256 ch = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        for (int j = 0; j < JN; j++) {
+            __m256 w = _mm256_broadcast_ss(wv + j * ws + s);
+            lo[j] = _mm256_fmadd_ps(w, cl, lo[j]);
+            hi[j] = _mm256_fmadd_ps(w, ch, hi[j]);
+        }
+    }
+    for (int j = 0; j < JN; j++) {
+        float* oj = o + j * os;
+        _mm256_storeu_ps(oj, _mm256_add_ps(_mm256_loadu_ps(oj), lo[j]));
+        _mm256_storeu_ps(oj + VR, _mm256_add_ps(_mm256_loadu_ps(oj + VR), hi[j]));
+    }
+}
+
+/* Decode attention straight from an int4 cache's stores (cache/int4.py), with the KIVI axes:
+   keys quantized per channel in groups of KG tokens, values per token in groups of VG
+   channels (quanto's packing: code i of a group in byte i % R at bit 4 (i / R), R = G / 2;
+   x = code x scale + shift). Per row b, pointers to the layer's stores:
+     kd [Hkv, N/KG, KG/2, D] codes, ks / ko [Hkv, N/KG, 1, D] scales and shifts (keys);
+     vd [Hkv, N, D/VG, VG/2], vs / vo [Hkv, N, D/VG, 1] (values); N = meta[b, 5] tokens;
+     ke, ve [Hkv, E, D] fp32 exact keys and values of positions [p0, p0 + E), E = meta[b, 6];
+   meta[b] = (dequant_from, dequant_to, exact_from, exact_to, p0, N, E): the spans the
+   cache's View reads. The query at position p = qpos[b, t] with V(p) = vis[b, t] sees,
+   inside its window, positions [dequant_from, min(dequant_to, V(p))) quantized and
+   [max(exact_from, V(p)), min(exact_to, p + 1)) exact: the rule of int4_attention_reference.
+   A quantized key's score is sum_d (q_d scale_d) code_d + sum_d q_d shift_d (the group's
+   scales folded into the query once per group), a quantized value adds
+   (w scale) code + w shift; nothing dequantized is written. Work and merging as
+   dl_decode_attn: (b, kv head, t) x C chunks of the seen positions, each kv head's codes
+   read once for its g query heads. Returns 0, or -1 when out of memory. */
+int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D,
+                        const uint8_t* const* kd, const void* const* ks, const void* const* ko,
+                        const uint8_t* const* vd, const void* const* vs, const void* const* vo, int skind,
+                        const float* const* ke, const float* const* ve, const int64_t* meta, const int64_t* qpos,
+                        const int64_t* vis, float scale, int64_t window, int64_t KG, int64_t VG, float* out) {
+    int64_t g = Hq / Hkv, rows = B * Hkv * T, threads = omp_get_max_threads();
+    int64_t KR = KG / 2, VR = VG / 2, NV = D / VG, maxn = 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t* m = meta + b * 7;
+        int64_t n = (m[1] - m[0]) + (m[3] - m[2]);
+        if (n > maxn) maxn = n;
+    }
+    int64_t C = (2 * threads + rows - 1) / rows;
+    if (C > 16) C = 16;
+    if (C > maxn / 64 + 1) C = maxn / 64 + 1;  /* a chunk of at least ~64 positions */
+    if (C < 1) C = 1;
+    float* part = (float*)malloc(sizeof(float) * (size_t)(rows * C * g * (D + 2)));
+    int64_t span = maxn / C + 2;
+    int failed = part ? 0 : 1;
+    if (failed) return -1;
+    #pragma omp parallel
+    {
+        /* per thread: scores [g, span], the query folded with a group's key scales [g, D], the
+           per-group shift terms of the values [g, NV], the key shifts' terms [g], the value
+           weights [g, span] */
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(2 * g * span + g * D + g * NV + g));
+        if (!sc) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < rows * C; it++) {
+            if (!sc) continue;
+            float* qs = sc + g * span;  /* [g, D] */
+            float* voff = qs + g * D;   /* [g, NV] */
+            float* qo = voff + g * NV;  /* [g] */
+            int64_t c = it % C, r = it / C, t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
+            const int64_t* m = meta + b * 7;
+            int64_t p = qpos[b * T + t], vq = vis[b * T + t], N = m[5], E = m[6], p0 = m[4];
+            int64_t wlo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+            int64_t q0 = m[0] > wlo ? m[0] : wlo, q1 = m[1] < vq ? m[1] : vq;
+            if (q1 > p + 1) q1 = p + 1;
+            if (q1 < q0) q1 = q0;
+            int64_t e0 = m[2] > vq ? m[2] : vq, e1 = m[3] < p + 1 ? m[3] : p + 1;
+            if (e0 < wlo) e0 = wlo;
+            if (e1 < e0) e1 = e0;
+            int64_t nq = q1 - q0, n = nq + (e1 - e0);
+            int64_t a0 = n * c / C, a1 = n * (c + 1) / C;  /* this chunk: virtual indices [a0, a1) */
+            float* pr = part + it * g * (D + 2);
+            for (int64_t j = 0; j < g; j++) {
+                float* o = pr + j * (D + 2);
+                o[0] = -INFINITY; o[1] = 0.f;
+                for (int64_t d = 0; d < D; d++) o[2 + d] = 0.f;
+                for (int64_t i = 0; i < NV; i++) voff[j * NV + i] = 0.f;
+            }
+            if (a1 <= a0) continue;
+            const float* qh = q + ((b * Hq + hk * g) * T + t) * D;  /* query head j at qh + j * T * D */
+            /* quantized positions [pa, pb) of this chunk, group by group */
+            int64_t pa = q0 + a0, pb = q0 + (a1 < nq ? a1 : nq);
+            const uint8_t* kdh = kd[b] + hk * (N / KG) * KR * D;
+            const void* ksh = ks[b];
+            const void* koh = ko[b];
+            int64_t kso = hk * (N / KG) * D;  /* element offset of this head's key scales */
+            for (int64_t blk = pa / KG; pa < pb && blk * KG < pb; blk++) {
+                for (int64_t j = 0; j < g; j++) {
+                    const float* qr = qh + j * T * D;
+                    __m256 a = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8) {
+                        __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qr + d), _mm256_set1_ps(scale));
+                        _mm256_storeu_ps(qs + j * D + d, _mm256_mul_ps(qv, scale8(ksh, skind, kso + blk * D + d)));
+                        a = _mm256_fmadd_ps(qv, scale8(koh, skind, kso + blk * D + d), a);
+                    }
+                    qo[j] = hsum(a);
+                }
+                int64_t s0 = blk * KG > pa ? blk * KG : pa, s1 = blk * KG + KG < pb ? blk * KG + KG : pb;
+                /* byte rows r of the group: tokens blk KG + r and blk KG + r + KR, each kept if in [s0, s1) */
+                for (int64_t r = 0; r < KR; r++) {
+                    int64_t ta = blk * KG + r, tb = ta + KR;
+                    int in_a = ta >= s0 && ta < s1, in_b = tb >= s0 && tb < s1;
+                    if (!in_a && !in_b) continue;
+                    const uint8_t* row = kdh + (blk * KR + r) * D;
+                    for (int64_t j0 = 0; j0 < g; j0 += 4) {
+                        float la[4], lb[4];
+                        int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+                        const float* qj = qs + j0 * D;
+                        switch (jn) {
+                            case 1: key_pair(1, row, qj, qo + j0, D, la, lb); break;
+                            case 2: key_pair(2, row, qj, qo + j0, D, la, lb); break;
+                            case 3: key_pair(3, row, qj, qo + j0, D, la, lb); break;
+                            default: key_pair(4, row, qj, qo + j0, D, la, lb); break;
+                        }
+                        for (int jj = 0; jj < jn; jj++) {
+                            float* mx = pr + (j0 + jj) * (D + 2);
+                            if (in_a) {
+                                sc[(j0 + jj) * span + (ta - pa)] = la[jj];
+                                if (la[jj] > *mx) *mx = la[jj];
+                            }
+                            if (in_b) {
+                                sc[(j0 + jj) * span + (tb - pa)] = lb[jj];
+                                if (lb[jj] > *mx) *mx = lb[jj];
+                            }
+                        }
+                    }
+                }
+            }
+            int64_t nqc = pb > pa ? pb - pa : 0;  /* quantized scores of this chunk, then exact ones */
+            /* exact positions [ea, eb) of this chunk */
+            int64_t ea = e0 + (a0 > nq ? a0 - nq : 0), eb = e0 + (a1 > nq ? a1 - nq : 0);
+            const float* keh = ke[b] + hk * E * D;
+            const float* veh = ve[b] + hk * E * D;
+            for (int64_t s = ea; s < eb; s++) {
+                const float* kr = keh + (s - p0) * D;
+                for (int64_t j = 0; j < g; j++) {
+                    const float* qr = qh + j * T * D;
+                    __m256 a = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8)
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a);
+                    float x = hsum(a) * scale;
+                    sc[j * span + nqc + (s - ea)] = x;
+                    if (x > pr[j * (D + 2)]) pr[j * (D + 2)] = x;
+                }
+            }
+            int64_t cnt = nqc + (eb - ea);
+            for (int64_t j = 0; j < g; j++) pr[j * (D + 2) + 1] = exp_sum(sc + j * span, cnt, pr[j * (D + 2)]);
+            /* values: quantized, per token and channel group: the weights times each token's scale
+               (wv [g, nqc]), the shifts' term per group, then the codes column block by column block */
+            const uint8_t* vdh = vd[b] + hk * N * NV * VR;
+            int64_t vso = hk * N * NV;
+            float* wv = qs + g * D + g * NV + g;  /* [g, span] */
+            for (int64_t gi = 0; gi < NV && nqc > 0; gi++) {
+                for (int64_t s = pa; s < pb; s++) {
+                    float vsc = scale1(vs[b], skind, vso + s * NV + gi), vof = scale1(vo[b], skind, vso + s * NV + gi);
+                    for (int64_t j = 0; j < g; j++) {
+                        float w = sc[j * span + (s - pa)];
+                        wv[j * span + (s - pa)] = w * vsc;
+                        voff[j * NV + gi] += w * vof;
+                    }
+                }
+                const uint8_t* rows0 = vdh + (pa * NV + gi) * VR;
+                for (int64_t r = 0; r < VR; r += 8)
+                    for (int64_t j0 = 0; j0 < g; j0 += 4) {
+                        int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+                        float* o = pr + j0 * (D + 2) + 2 + gi * VG + r;
+                        const float* w = wv + j0 * span;
+                        switch (jn) {
+                            case 1: value_cols(1, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
+                            case 2: value_cols(2, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
+                            case 3: value_cols(3, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
+                            default: value_cols(4, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
+                        }
+                    }
+            }
+            for (int64_t j = 0; j < g; j++)
+                for (int64_t gi = 0; gi < NV; gi++) {
+                    float f = voff[j * NV + gi], *o = pr + j * (D + 2) + 2 + gi * VG;
+                    for (int64_t d = 0; d < VG; d++) o[d] += f;
+                }
+            for (int64_t s = ea; s < eb; s++) {
+                const float* vr = veh + (s - p0) * D;
+                for (int64_t j = 0; j < g; j++) {
+                    float* o = pr + j * (D + 2) + 2;
+                    __m256 w = _mm256_set1_ps(sc[j * span + nqc + (s - ea)]);
+                    for (int64_t d = 0; d < D; d += 8)
+                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(o + d)));
+                }
+            }
+        }
+        free(sc);
+    }
+    if (!failed) merge_parts(part, rows, C, g, T, Hkv, Hq, D, out);
     free(part);
     return failed ? -1 : 0;
 }

@@ -13,6 +13,10 @@ int dl_decode_attn(const float*, const float*, const float*, const int64_t*, int
                    int64_t, int64_t, float, int64_t, float*, const int64_t*, int64_t, int64_t, int64_t);
 void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*,
                      uint16_t*);
+int dl_int4_decode_attn(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t* const*,
+                        const void* const*, const void* const*, const uint8_t* const*, const void* const*,
+                        const void* const*, int, const float* const*, const float* const*, const int64_t*,
+                        const int64_t*, const int64_t*, float, int64_t, int64_t, int64_t, float*);
 }
 
 static at::Tensor rows_f32(const at::Tensor& x, int64_t k) {
@@ -159,6 +163,75 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     return out;
 }
 
+// One int4 cache layer's stores, row by row (cache/kernels/int4.py's Int4Rows), checked
+// against the shapes the kernel reads: see dl_int4_decode_attn.
+at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::TensorList ks, at::TensorList ko,
+                                 at::TensorList vd, at::TensorList vs, at::TensorList vo, at::TensorList ke,
+                                 at::TensorList ve, const at::Tensor& spans, const at::Tensor& qpos,
+                                 const at::Tensor& vis, double scale, int64_t window, int64_t kg, int64_t vg) {
+    const char* w = "decodelab int4_decode_attention: ";
+    TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(), w,
+                "q must be a float32 CPU tensor [B, Hq, T, D], got ", q.sizes(), " ", q.scalar_type());
+    int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+    TORCH_CHECK((int64_t)kd.size() == B && (int64_t)ks.size() == B && (int64_t)ko.size() == B &&
+                (int64_t)vd.size() == B && (int64_t)vs.size() == B && (int64_t)vo.size() == B &&
+                (int64_t)ke.size() == B && (int64_t)ve.size() == B, w, "one store of each kind per row (", B, ")");
+    TORCH_CHECK(D % 8 == 0 && kg % 2 == 0 && kg > 0 && vg > 0 && vg % 16 == 0 && D % vg == 0, w,
+                "head size ", D, " with key group ", kg, " and value group ", vg, " (a multiple of 16 dividing D)");
+    TORCH_CHECK(spans.dim() == 2 && spans.size(0) == B && spans.size(1) == 5 && qpos.dim() == 2 &&
+                qpos.size(0) == B && qpos.size(1) == T && vis.sizes() == qpos.sizes(), w,
+                "spans [B, 5], qpos and vis [B, T]");
+    int64_t Hkv = B ? ke[0].size(0) : 1;
+    TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, w, Hq, " query heads over ", Hkv, " kv heads");
+    at::ScalarType st = B ? ks[0].scalar_type() : at::kHalf;
+    int skind = st == at::kHalf ? 0 : st == at::kBFloat16 ? 1 : st == at::kFloat ? 2 : -1;
+    TORCH_CHECK(skind >= 0, w, "scales must be float16, bfloat16 or float32, got ", st);
+    auto sp = spans.to(at::kLong).contiguous(), qp = qpos.to(at::kLong).contiguous(), vp = vis.to(at::kLong).contiguous();
+    std::vector<at::Tensor> keep;
+    std::vector<const uint8_t*> kdp(B), vdp(B);
+    std::vector<const void*> ksp(B), kop(B), vsp(B), vop(B);
+    std::vector<const float*> kep(B), vep(B);
+    std::vector<int64_t> meta(B * 7);
+    auto c = [&](const at::Tensor& t) { keep.push_back(t.contiguous()); return keep.back().data_ptr(); };
+    for (int64_t b = 0; b < B; b++) {
+        int64_t N = vd[b].dim() == 4 ? vd[b].size(1) : -1, E = ke[b].dim() == 3 ? ke[b].size(1) : -1;
+        TORCH_CHECK(N >= 0 && N % kg == 0 && kd[b].sizes() == at::IntArrayRef({Hkv, N / kg, kg / 2, D}) &&
+                    ks[b].sizes() == at::IntArrayRef({Hkv, N / kg, 1, D}) && ko[b].sizes() == ks[b].sizes() &&
+                    vd[b].sizes() == at::IntArrayRef({Hkv, N, D / vg, vg / 2}) &&
+                    vs[b].sizes() == at::IntArrayRef({Hkv, N, D / vg, 1}) && vo[b].sizes() == vs[b].sizes(), w,
+                    "row ", b, ": quantized stores of ", N, " tokens must be keys per channel [", Hkv, ", N/", kg,
+                    ", ", kg / 2, ", ", D, "] and values per token [", Hkv, ", N, ", D / vg, ", ", vg / 2, "]");
+        TORCH_CHECK(kd[b].scalar_type() == at::kByte && vd[b].scalar_type() == at::kByte &&
+                    ks[b].scalar_type() == st && ko[b].scalar_type() == st && vs[b].scalar_type() == st &&
+                    vo[b].scalar_type() == st, w, "row ", b, ": uint8 codes and ", st, " scales and shifts");
+        TORCH_CHECK(E >= 0 && ke[b].sizes() == at::IntArrayRef({Hkv, E, D}) && ve[b].sizes() == ke[b].sizes() &&
+                    ke[b].scalar_type() == at::kFloat && ve[b].scalar_type() == at::kFloat, w, "row ", b,
+                    ": exact stores must be float32 [", Hkv, ", E, ", D, "]");
+        const int64_t* m = sp.data_ptr<int64_t>() + b * 5;  // dequant_from, dequant_to, exact_from, exact_to, p0
+        TORCH_CHECK(0 <= m[0] && m[0] <= m[1] && m[1] <= N && (m[3] <= m[2] || (m[4] <= m[2] && m[3] <= m[4] + E)),
+                    w, "row ", b, ": spans [", m[0], ", ", m[1], ") quantized of ", N, " and [", m[2], ", ", m[3],
+                    ") exact of [", m[4], ", ", m[4] + E, ") are not held");
+        for (int k = 0; k < 5; k++) meta[b * 7 + k] = m[k];
+        meta[b * 7 + 5] = N;
+        meta[b * 7 + 6] = E;
+        kdp[b] = (const uint8_t*)c(kd[b]); ksp[b] = c(ks[b]); kop[b] = c(ko[b]);
+        vdp[b] = (const uint8_t*)c(vd[b]); vsp[b] = c(vs[b]); vop[b] = c(vo[b]);
+        kep[b] = (const float*)c(ke[b]); vep[b] = (const float*)c(ve[b]);
+        TORCH_CHECK(kd[b].device().is_cpu() && vd[b].device().is_cpu() && ke[b].device().is_cpu() &&
+                    ve[b].device().is_cpu() && ks[b].device().is_cpu() && vs[b].device().is_cpu(), w,
+                    "CPU tensors only");
+    }
+    auto qc = q.contiguous();
+    auto out = at::empty({B, Hq, T, D}, q.options());
+    if (out.numel() == 0) return out;
+    int rc = dl_int4_decode_attn(qc.data_ptr<float>(), B, Hq, Hkv, T, D, kdp.data(), ksp.data(), kop.data(),
+                                 vdp.data(), vsp.data(), vop.data(), skind, kep.data(), vep.data(), meta.data(),
+                                 qp.data_ptr<int64_t>(), vp.data_ptr<int64_t>(), (float)scale, window, kg, vg,
+                                 out.data_ptr<float>());
+    TORCH_CHECK(rc == 0, w, "out of memory for the scores");
+    return out;
+}
+
 TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
@@ -168,6 +241,9 @@ TORCH_LIBRARY(decodelab, m) {
           "int window) -> Tensor");
     m.def("int4_dequant(Tensor nib, Tensor scales, Tensor shifts, int group_size, int o0, int n, "
           "Tensor(a!) out) -> ()");
+    m.def("int4_decode_attention(Tensor q, Tensor[] kd, Tensor[] ks, Tensor[] ko, Tensor[] vd, Tensor[] vs, "
+          "Tensor[] vo, Tensor[] ke, Tensor[] ve, Tensor spans, Tensor qpos, Tensor vis, float scale, int window, "
+          "int key_group, int value_group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
@@ -177,4 +253,5 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("paged_decode_attention", &paged_decode_attention);
     m.impl("int4_dequant", &int4_dequant);
+    m.impl("int4_decode_attention", &int4_decode_attention);
 }
