@@ -388,7 +388,10 @@ class QuantizedCache(KVCache):
         for chunk, view in enumerate(views):  # one, unless the forward is long
             cols = slice(view.query_from, view.query_to)
             self._check_exact(layer, view, starts)
-            if run is not None:
+            # the native kernel only where codes are read: over exact keys alone the reference is dense's own SDPA
+            # (bit-identical to a dense cache inside the residual window)
+            if run is not None and (kernel != "native" or any(a < b for a, b in zip(view.dequant_from,
+                                                                                     view.dequant_to))):
                 qpos, vis = plan.kernel_q if plan.kernel_q is not None else self.kernel_queries(plan)
                 outs.append(run(q[:, :, cols], self.kernel_rows(layer, plan, chunk), qpos[:, cols], vis[:, cols],
                                 lay.softmax_scale, lay.windows[layer], lay.softcap))

@@ -35,7 +35,7 @@ from decodelab.experiments import harness
 from decodelab.experiments.micro_weights import hf_quanto, weight_problems, weights, weights_quality
 from decodelab.experiments.plotting import quartile_fields
 from decodelab.experiments.report import markdown_table
-from decodelab.experiments.workloads import ShareGPT, synthetic_prompt
+from decodelab.experiments.workloads import ShareGPT, long_conversations, synthetic_prompt
 from decodelab.models.reference import hf_cache_bytes, hf_model_for, hf_quantized_cache, hf_steps
 from decodelab.models.errors import raise_if
 from decodelab.models.matmul import impl_problems
@@ -58,41 +58,81 @@ def our_steps(model, factory, prompt: list[int], steps: int, timer) -> int:
     return cache.nbytes()
 
 
+@torch.no_grad()
+def compiled_steps(model, factory, prompt: list[int], steps: int, timer, built: dict) -> int:
+    """`our_steps` through the compiled static step (decoding/compiled.py): compiled once per
+    backend and cache shape (kept in `built`, its compile time beside it), then per call the
+    cache emptied, the prompt prefilled, `steps` greedy steps each timed; the cache's bytes."""
+    from decodelab.decoding.compiled import compiled_step
+
+    if "step" not in built:
+        built["cache"] = make_cache(model, 1, len(prompt) + steps + 1, factory)
+        t0 = time.perf_counter()
+        built["step"] = compiled_step(model, built["cache"])
+        built["compile_s"] = time.perf_counter() - t0
+    cache, step = built["cache"], built["step"]
+    cache.reset()
+    tok = prefill(model, cache, [prompt]).argmax(-1)  # [1]
+    for _ in range(steps):
+        with timer:
+            tok = step.step(tok).argmax(-1)
+    return cache.nbytes()
+
+
 def kv_speed(cfg, lm, hf) -> list[dict]:
-    systems = {name: partial(our_steps, lm.model, harness.cache_factory(name)) for name in cfg.backends}
-    systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(hf, p, s, cache=hf_int4(hf, cfg),
-                                                                               timer=timer)[1])
+    """Decode ITL after a synthetic prompt of each context, per backend, eager and (with
+    `kv_compile`) through the compiled step, transformers' QuantizedCache beside; every
+    system timed in turn within each repeat. `itl_vs_<first>`: over the first backend's
+    eager ITL; `vs_first_same_mode`: over the first backend's ITL in the same mode."""
+    first = cfg.backends[0]
     rows = []
     for ctx in cfg.contexts:
+        systems = {name: partial(our_steps, lm.model, harness.cache_factory(name)) for name in cfg.backends}
+        built = {name: {} for name in cfg.backends}
+        for name in cfg.backends if cfg.kv_compile else ():
+            systems[f"{name} compiled"] = partial(compiled_steps, lm.model, harness.cache_factory(name),
+                                                  built=built[name])
+        systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(hf, p, s, cache=hf_int4(hf, cfg),
+                                                                                   timer=timer)[1])
         prompt = synthetic_prompt(lm, ctx)
         timers = {n: harness.Timer(lm.model.device) for n in systems}
         nbytes = {}
         for _ in range(cfg.repeats):  # alternate systems within each repeat
             for n, fn in systems.items():
                 nbytes[n] = fn(prompt, cfg.steps, timer=timers[n])
-        dense = timers[cfg.backends[0]].median()
-        rows += [{"context": ctx, "system": n, "itl_ms": 1e3 * t.median(),
-                  f"itl_vs_{cfg.backends[0]}": t.median() / dense, "kv_bytes": nbytes[n]} for n, t in timers.items()]
+        unit = {mode: timers[f"{first}{mode}"].median() for mode in ("", " compiled") if f"{first}{mode}" in timers}
+        for n, t in timers.items():
+            mode = " compiled" if n.endswith(" compiled") else ""
+            row = {"context": ctx, "system": n, "itl_ms": 1e3 * t.median(), f"itl_vs_{first}": t.median() / unit[""],
+                   "vs_first_same_mode": t.median() / unit[mode], "kv_bytes": nbytes[n]}
+            if mode:
+                row["compile_s"] = built[n.removesuffix(" compiled")]["compile_s"]
+            rows.append(row | quartile_fields("itl_ms", [1e3 * x for x in t.seconds]))
+        for b in built.values():  # the compiled steps of this context hold its caches: freed before the next
+            b.clear()
     return rows
 
 
 def kv_quality(cfg, lm, hf) -> list[dict]:
     tok = lm.tokenizer
-    reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
-                    min_reference_tokens=cfg.forced_tokens)(lm)
+    if cfg.quality_context:  # long contexts: concatenated conversations, int4 quantizes almost all of each
+        seqs = long_conversations(lm, cfg.prompts, cfg.quality_context, cfg.forced_tokens, cfg.seed)
+    else:
+        reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
+                        min_reference_tokens=cfg.forced_tokens)(lm)
+        seqs = [(tok.encode(r.prompt, chat=True), tok.encode(r.reference)[: cfg.forced_tokens]) for r in reqs]
     ours = harness.cache_factory("int4", nbits=cfg.nbits, group_size=cfg.group_size, residual=cfg.residual)
     systems = {"ours-int4": lambda p, r: forced_logits(lm.model, ours, p, r).double(),
                "hf-QuantizedCache": lambda p, r: hf_steps(hf, p, len(r) - 1, r, hf_int4(hf, cfg))[0].double()}
     per = {name: [] for name in systems}
-    for i, req in enumerate(reqs):
-        prompt, ref = tok.encode(req.prompt, chat=True), tok.encode(req.reference)[: cfg.forced_tokens]
+    for i, (prompt, ref) in enumerate(seqs):
         dense = dense_logits(lm.model, prompt, ref).double()
         for name, fn in systems.items():
             per[name].append(compare(dense, fn(prompt, ref)))
-        print(f"prompt {i + 1}/{len(reqs)} ({len(prompt)} tokens): " + ", ".join(
+        print(f"prompt {i + 1}/{len(seqs)} ({len(prompt)} tokens): " + ", ".join(
             f"{n} top1 {v[-1]['top1']:.3f} kl {v[-1]['kl']:.4f}" for n, v in per.items()), file=sys.stderr)
-    return [{"system": n, "prefill_dtype": ours[n].weight_quantization["prefill_dtype"] if n in ours else None,
-             "prompts": len(v), "forced_tokens": cfg.forced_tokens,
+    return [{"system": n, "prompts": len(v), "forced_tokens": cfg.forced_tokens,
+             "context_tokens": statistics.mean(len(p) for p, _ in seqs),
              "top1_agreement": statistics.mean(x["top1"] for x in v), "mean_kl": statistics.mean(x["kl"] for x in v),
              "worst_prompt_top1": min(x["top1"] for x in v)} for n, v in per.items()]
 

@@ -190,6 +190,28 @@ class ShareGPT:
         return reqs
 
 
+def long_conversations(lm, n: int, context: int, forced: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """`n` long token sequences for teacher forcing at long context: ShareGPT V3 exchanges
+    in the seed's order, each as plain text ("User: ...", "Assistant: ..."), concatenated
+    until one holds context + forced tokens; each split into its first `context` token ids
+    (one leading special token, as `encode` gives) and the next `forced` (the reference)."""
+    raise_if(_count_problems(n, seed) + ([] if context >= 1 and forced >= 1 else
+                                         [f"context and forced tokens must be >= 1, got {context} and {forced}"]))
+    pool = load_jsonl(sharegpt_jsonl()[0])
+    random.Random(seed).shuffle(pool)
+    out, ids = [], []
+    for r in pool:
+        text = f"User: {r.prompt}\n\nAssistant: {r.reference or ''}\n\n"
+        ids += lm.tokenizer.encode(text) if not ids else list(lm.tokenizer.hf.encode(text, add_special_tokens=False))
+        if len(ids) >= context + forced:
+            out.append((ids[:context], ids[context:context + forced]))
+            ids = []
+            if len(out) == n:
+                return out
+    raise SetupError(f"the ShareGPT records make only {len(out)} sequences of {context} + {forced} tokens; "
+                     "ask for fewer or shorter ones")
+
+
 class Synthetic:
     """`per_length` prompts of exactly each of `lengths` tokens (filler text through the
     tokenizer, or seeded random ids for a model without one); no reference."""

@@ -45,6 +45,10 @@ class FixedTimer:
     def median(self):
         return self.s
 
+    @property
+    def seconds(self):
+        return [self.s]
+
 
 def test_kv_speed_rows_per_context_and_system(tmp_path, monkeypatch):
     from decodelab.experiments import harness
@@ -59,6 +63,27 @@ def test_kv_speed_rows_per_context_and_system(tmp_path, monkeypatch):
     assert rows[3]["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (48 + 3 + 1)  # tiny-llama: 2 layers, 2 kv heads, d 16, fp32
     runs = load_runs(tmp_path)
     assert len(runs) == 6 and {r["entry"] for r in runs} == {"micro"}
+
+
+def test_kv_speed_times_the_compiled_step_beside_the_eager_one(tmp_path, monkeypatch):
+    """kv_compile=true: each backend also through the compiled static step (dynamo's eager
+    backend here: fast to build), compiled once per context with its compile time; ratios
+    against the first backend's eager ITL and its own mode's; the quartiles beside."""
+    g = sys.modules["decodelab.decoding.compiled"]
+    monkeypatch.setattr(g, "compiled_step", functools.partial(g.compiled_step, backend="eager"))
+    calls = []
+    real = g.compiled_step
+    monkeypatch.setattr(g, "compiled_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows = micro(tmp_path, "part=kv_speed", "contexts=[24]", "steps=3", "repeats=2", "backends=[dense,int4]",
+                 "kv_compile=true")
+    assert [r["system"] for r in rows] == ["dense", "int4", "dense compiled", "int4 compiled", "hf-QuantizedCache"]
+    assert len(calls) == 2  # one compile per backend and context, reused by both repeats
+    by = {r["system"]: r for r in rows}
+    assert by["dense compiled"]["vs_first_same_mode"] == 1.0 and by["dense"]["itl_vs_dense"] == 1.0
+    assert by["int4 compiled"]["itl_vs_dense"] == pytest.approx(by["int4 compiled"]["itl_ms"] / by["dense"]["itl_ms"])
+    assert all(by[f"{b} compiled"]["compile_s"] > 0 for b in ("dense", "int4"))
+    assert all(r["itl_ms_p25"] <= r["itl_ms"] <= r["itl_ms_p75"] for r in rows)
+    assert by["int4 compiled"]["kv_bytes"] == by["int4"]["kv_bytes"]  # the same tokens held
 
 
 def test_verify_cost_is_relative_to_one_token_per_impl(tmp_path, monkeypatch):
@@ -347,3 +372,28 @@ def test_the_llama_cpp_anchor_decodes_the_prompts_our_fp32_model_decodes(tmp_pat
     assert ll["vs_llama_cpp"] == 1.0 and ll["decode_tok_s"] > 0 and ll["ttft_ms"] > 0
     assert by["fp32"]["vs_llama_cpp"] == pytest.approx(by["fp32"]["decode_tok_s"] / ll["decode_tok_s"])
     assert ll["first_difference_median"] >= 3, ll
+
+
+def test_kv_quality_at_long_context_forces_the_text_after_concatenated_conversations(tmp_path):
+    """quality_context=N: each sequence is ShareGPT conversations concatenated to N tokens,
+    then forced_tokens of the text after them; int4 (ours, residual 112 of 300 tokens)
+    quantizes most of the context, so its logits differ from dense while agreeing mostly."""
+    from decodelab.experiments import harness
+    from decodelab.experiments.workloads import long_conversations
+
+    rows = micro(tmp_path, "part=kv_quality", "prompts=2", "forced_tokens=8", "quality_context=300")
+    assert [r["system"] for r in rows] == ["ours-int4", "hf-QuantizedCache"]
+    assert all(r["context_tokens"] == 300 and r["prompts"] == 2 for r in rows)
+    assert all(0 < r["mean_kl"] < 1 and 0 <= r["top1_agreement"] <= 1 for r in rows)
+    lm = harness.load_model(micro_cfg())
+    seqs = long_conversations(lm, 2, 300, 8)
+    assert [(len(p), len(r)) for p, r in seqs] == [(300, 8)] * 2 and seqs[0][0] != seqs[1][0]
+    whole = seqs[0][0] + seqs[0][1]  # the forced tokens are the text that follows the context
+    assert lm.tokenizer.decode(whole).startswith("User: ")
+    with pytest.raises(SetupError, match="forced tokens must be >= 1"):
+        long_conversations(lm, 1, 300, 0)
+
+
+def micro_cfg():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="micro", overrides=TINY)
