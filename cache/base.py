@@ -387,10 +387,15 @@ class KVCache:
         self.lengths = self.lengths.clone()
         self.lengths[row] = 0
 
+    def token_bytes(self) -> int:
+        """K and V of one token, every layer, as stored. Default: the layout's dtype
+        (`bytes_per_token`); a backend that stores another dtype overrides it."""
+        return self.layout.bytes_per_token()
+
     def row_bytes(self, tokens: int) -> int:
         """K/V bytes one row holding `tokens` tokens takes: what a serving engine's KV budget
-        counts per request. Default: the formula, tokens x bytes_per_token."""
-        return tokens * self.layout.bytes_per_token()
+        counts per request. Default: the formula, tokens x token_bytes."""
+        return tokens * self.token_bytes()
 
     def held_bytes(self, rows: list[int]) -> int:
         """K/V bytes these rows hold now, storage shared between them counted once: what a
@@ -405,17 +410,16 @@ class KVCache:
 
     def read_bytes(self, context: int) -> int:
         """K/V bytes one decode step reads when every row holds `context` tokens: each
-        layer's visible tokens (at most its window), K and V, every row, in the layout's
-        dtype (2 x Hkv x D x bytes per token and layer). Backends that store K/V in another
-        form override it."""
+        layer's visible tokens (at most its window), K and V, every row, in the
+        stored dtype (2 x Hkv x D x bytes per token and layer, `token_bytes`). Backends that
+        store K/V in another form override it."""
         lay = self.layout
-        elem = torch.empty((), dtype=lay.dtype).element_size()
         tokens = sum(min(context, self.window(layer) or context) for layer in range(lay.n_layers))
-        return self.batch_size * tokens * 2 * lay.n_kv_heads * lay.head_dim * elem
+        return self.batch_size * tokens * self.token_bytes() // lay.n_layers
 
     def theoretical_bytes(self) -> int:
-        """2 x layers x kv_heads x tokens x head_dim x bytes, tokens summed over rows."""
-        return int(self.lengths.sum()) * self.layout.bytes_per_token()
+        """2 x layers x kv_heads x tokens x head_dim x bytes (as stored), tokens summed over rows."""
+        return int(self.lengths.sum()) * self.token_bytes()
 
     def memory_report(self) -> dict:
         """Bytes allocated, bytes by the formula and tokens held (backends add their own)."""

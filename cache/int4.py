@@ -393,8 +393,8 @@ class QuantizedCache(KVCache):
             if run is not None and (kernel != "native" or any(a < b for a, b in zip(view.dequant_from,
                                                                                      view.dequant_to))):
                 qpos, vis = plan.kernel_q if plan.kernel_q is not None else self.kernel_queries(plan)
-                outs.append(run(q[:, :, cols], self.kernel_rows(layer, plan, chunk), qpos[:, cols], vis[:, cols],
-                                lay.softmax_scale, lay.windows[layer], lay.softcap))
+                outs.append(run(q[:, :, cols], self.kernel_rows(layer, plan, chunk, starts), qpos[:, cols],
+                                vis[:, cols], lay.softmax_scale, lay.windows[layer], lay.softcap))
                 continue
             keys, values = self._gather(layer, view, plan, starts)  # [B, Hkv, S, D] each
             outs.append(reference_attention(q[:, :, cols], keys, values, view.mask, lay.softmax_scale, lay.softcap,
@@ -476,14 +476,15 @@ class QuantizedCache(KVCache):
                     buf[b, :, qa - lo:qa - lo + e - fs].copy_(exact[layer][row][:, fs - p0:e - p0])
         return kbuf, vbuf
 
-    def kernel_rows(self, layer: int, plan: Int4Plan, chunk: int = 0) -> Int4Rows:
+    def kernel_rows(self, layer: int, plan: Int4Plan, chunk: int = 0, starts: list[int] | None = None) -> Int4Rows:
         """One layer's stores and the key spans that chunk `chunk` of the forward `plan`'s
         queries reads (a single chunk unless the forward is longer than `attention_chunk`),
         as the int4 kernels take them (cache/kernels/int4.py). Valid once the layer's
-        `attend` ran."""
+        `attend` ran (`starts`: its `_exact_starts`, checked, when the caller has them)."""
         view, rows = plan.views[self.layout.windows[layer]][chunk], plan.fed
-        starts = self._exact_starts(layer, plan)
-        self._check_exact(layer, view, starts)
+        if starts is None:
+            starts = self._exact_starts(layer, plan)
+            self._check_exact(layer, view, starts)
         pick = lambda stores: [stores[layer][r] for r in rows]  # noqa: E731
         return Int4Rows(pick(self.key_codes), pick(self.value_codes), pick(self.key_exact),
                         pick(self.value_exact), starts, self.key_grouping,

@@ -165,11 +165,12 @@ class SlidingCache(DenseCache):
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, rollback: int = 8,
                  window: int | None = None, sinks: int = 0):
         reasons = problems(layout, rollback, window, sinks)
-        try:  # skips DenseCache.__init__: storage differs per layer
+        try:  # skips DenseCache.__init__: storage differs per layer (always in the model's dtype)
             KVCache.__init__(self, layout, batch_size, capacity)
         except SetupError as e:
             reasons = e.reasons + reasons
         raise_if(reasons)
+        self._storage("auto")
         self.rollback, self.sink_tokens = rollback, sinks
         self._windows = imposed_windows(layout, window)  # per layer: applied window or None
         self._rings = [None if w is None else ring_size(w, rollback, sinks, capacity) for w in self._windows]

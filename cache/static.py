@@ -142,17 +142,27 @@ class StaticPlan:
         return self._opaque[fn.__name__](*args)
 
     # -- the attentions the backends run on it --------------------------------------------
-    def attend_rows(self, layer: int, q, k, v, keys: torch.Tensor, values: torch.Tensor):
+    def attend_rows(self, layer: int, q, k, v, keys: torch.Tensor, values: torch.Tensor, scales=None):
         """Write k, v [B, Hkv, T, D] into row-major buffers [B, Hkv, S, D] (slot = position)
         and attend q over every slot at or before each query's position, inside the layer's
         window: the native kernel reads only those slots; the torch path reads every slot,
-        masked."""
+        masked. Buffers of another dtype (a dense cache's kv_dtype) store k, v rounded to it;
+        `scales` (fp8: K's and V's [Hkv]) divide them first and multiply what is read."""
+        if keys.dtype != k.dtype:
+            if scales is not None:
+                k, v = ((x.float() / s[None, :, None, None]).clamp(-448.0, 448.0) for x, s in zip((k, v), scales))
+            k, v = k.to(keys.dtype), v.to(keys.dtype)
         at = (self.batch_rows[:, :, None], self.heads[..., None], self.pos[:, None])  # -> [B, Hkv, T]
         keys.index_put_(at, k)
         values.index_put_(at, v)
         lay, w, qpos = self.layout, self.layout.windows[layer], self.pos[..., None]  # [B, T, 1]
         if self.native:
-            return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale, w or 0)
+            return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale, w or 0,
+                                                        *(scales or ()))
+        if keys.dtype != q.dtype:
+            ks, vs = scales if scales is not None else (None, None)
+            keys, values = (x.to(q.dtype) if s is None else x.to(q.dtype) * s[None, :, None, None].to(q.dtype)
+                            for x, s in ((keys, ks), (values, vs)))
         seen = self.kpos[:keys.shape[2]] <= qpos  # [B, T, S]
         if w is not None:
             seen = seen & (self.kpos[:keys.shape[2]] > qpos - w)

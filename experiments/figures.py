@@ -338,6 +338,61 @@ def weights_figure(runs: list[dict]) -> FigureSpec | None:
                       f"\n{conditions_line(mine)}")
 
 
+def kv_speed_figure(runs: list[dict]) -> FigureSpec | None:
+    """decodelab-micro part=kv_speed: decode step time (ITL) and KV bytes vs context per
+    system (cache backend, eager or compiled; transformers' QuantizedCache), log axes, the
+    point's IQR as the record gives it; where a system's ITL crosses its mode's first
+    backend's between two measured contexts, the crossing (log-linear interpolation) is
+    marked. None without such runs."""
+    import math
+
+    mine = [r for r in runs if (r.get("setup") or {}).get("name") == "kv_speed"]
+    itl: dict[str, list[Point]] = {}
+    kv: dict[str, list[Point]] = {}
+    n = (_config(mine, "repeats") or 0) * (_config(mine, "steps") or 0) or None  # decode steps per point
+    for r in mine:
+        m = r.get("metrics") or {}
+        if m.get("itl_ms") is None:
+            continue
+        system = str(m["system"])
+        itl.setdefault(system, []).append(_metric_point(m["context"], m, "itl_ms", n))
+        if m.get("kv_bytes") is not None:
+            kv.setdefault(system, []).append(Point(float(m["context"]), m["kv_bytes"] / 2**20))
+    if not itl:
+        return None
+    backends = list(_config_list(mine, "backends") or [])
+    crossings = []
+    for mode in ("", " compiled"):
+        unit = {p.x: p.y for p in itl.get(f"{backends[0]}{mode}", [])} if backends else {}
+        for b in backends[1:]:
+            pts = sorted((p.x, p.y / unit[p.x], p.y) for p in itl.get(f"{b}{mode}", []) if p.x in unit)
+            for (x0, r0, y0), (x1, r1, y1) in zip(pts, pts[1:]):
+                if (r0 - 1) * (r1 - 1) < 0:  # the ratio to the first backend crosses 1 between x0 and x1
+                    f = (r0 - 1) / (r0 - r1)
+                    x = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0)))
+                    crossings.append(Series(f"{b}{mode} = {backends[0]}{mode} at ~{x:,.0f} tokens",
+                                            (Point(x, y0 + f * (y1 - y0)),), connect=False))
+    ordered = lambda d: tuple(Series(k, tuple(sorted(v, key=lambda p: p.x))) for k, v in d.items())  # noqa: E731
+    panels = (Panel(ordered(itl) + tuple(crossings), "tokens in cache", "decode step (ms, batch 1)",
+                    "Decode step time vs context", xscale="log", yscale="log"),
+              Panel(ordered(kv), "tokens in cache", "KV cache held (MiB)", "KV bytes vs context", xscale="log",
+                    yscale="log"))[:2 if kv else 1]
+    return FigureSpec(panels, f"Each point: median ITL of {_config(mine, 'repeats')} x {_config(mine, 'steps')} "
+                              f"decode steps (repeats x steps) after a prompt of that many "
+                              f"tokens (band: IQR); the marked points: where a backend's ITL crosses its mode's "
+                              f"first backend's ({backends[0] if backends else '-'}), interpolated on log x."
+                              f"\n{conditions_line(mine)}")
+
+
+def _config_list(runs: list[dict], key: str) -> list | None:
+    """A list option of the runs' configs (the first that has it)."""
+    for r in runs:
+        v = (r.get("config") or {}).get(key)
+        if v is not None:
+            return v
+    return None
+
+
 def _weights_n(decode: tuple[Series, ...], n_dec: int | None, n_ttft: int | None) -> str:
     """The weights figure's statistics sentence (`n_ttft` 0: no TTFT panel; None: n unknown)."""
     spread = any(p.lo is not None for s in decode for p in s.points)
@@ -498,6 +553,7 @@ def write_figures(runs: list[dict], rows: list[dict], out: Path, formats=("png",
              "kv_mib_vs_context": kv_figure(bench), "speculative_vs_gamma": speculative,
              "agreement": agreement_figure([r for r in runs if r.get("entry") == "agree"]),
              "weights_decode_vs_context": weights_figure([r for r in runs if r.get("entry") == "micro"]),
+             "kv_speed_vs_context": kv_speed_figure([r for r in runs if r.get("entry") == "micro"]),
              "perplexity": perplexity_figure([r for r in runs if r.get("entry") == "micro"])}
     if speculative is None and _spec_rows([r for r, _ in spec_pairs]):
         specs.pop("speculative_vs_gamma")

@@ -84,14 +84,24 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
     `kv_compile`) through the compiled step, transformers' QuantizedCache beside; every
     system timed in turn within each repeat. `itl_vs_<first>`: over the first backend's
     eager ITL; `vs_first_same_mode`: over the first backend's ITL in the same mode."""
+    from decodelab.models.quantize import WeightOptions
+
     first = cfg.backends[0]
+    models = {"": lm.model}  # weights as loaded, then each of kv_weights (a quantized copy)
+    for w in cfg.kv_weights:
+        kind = w.split("+")[0]
+        models[f"{w} weights, "] = WeightOptions(kind, cfg.weight_group_size if kind == "int4" else None,
+                                                quantize_head=w.endswith("+head")).apply(lm.model)
     rows = []
     for ctx in cfg.contexts:
-        systems = {name: partial(our_steps, lm.model, harness.cache_factory(name)) for name in cfg.backends}
-        built = {name: {} for name in cfg.backends}
-        for name in cfg.backends if cfg.kv_compile else ():
-            systems[f"{name} compiled"] = partial(compiled_steps, lm.model, harness.cache_factory(name),
-                                                  built=built[name])
+        systems, built = {}, {}
+        for mode in ("", " compiled") if cfg.kv_compile else ("",):
+            for tag, model in models.items():
+                for name in cfg.backends:
+                    n = f"{tag}{name}{mode}"
+                    built[n] = {}
+                    systems[n] = (partial(compiled_steps, model, harness.cache_factory(name), built=built[n]) if mode
+                                  else partial(our_steps, model, harness.cache_factory(name)))
         systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(hf, p, s, cache=hf_int4(hf, cfg),
                                                                                    timer=timer)[1])
         prompt = synthetic_prompt(lm, ctx)
@@ -106,7 +116,7 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
             row = {"context": ctx, "system": n, "itl_ms": 1e3 * t.median(), f"itl_vs_{first}": t.median() / unit[""],
                    "vs_first_same_mode": t.median() / unit[mode], "kv_bytes": nbytes[n]}
             if mode:
-                row["compile_s"] = built[n.removesuffix(" compiled")]["compile_s"]
+                row["compile_s"] = built[n]["compile_s"]
             rows.append(row | quartile_fields("itl_ms", [1e3 * x for x in t.seconds]))
         for b in built.values():  # the compiled steps of this context hold its caches: freed before the next
             b.clear()
@@ -121,9 +131,11 @@ def kv_quality(cfg, lm, hf) -> list[dict]:
         reqs = ShareGPT(cfg.prompts, cfg.seed, max_prompt_tokens=cfg.max_prompt_tokens,
                         min_reference_tokens=cfg.forced_tokens)(lm)
         seqs = [(tok.encode(r.prompt, chat=True), tok.encode(r.reference)[: cfg.forced_tokens]) for r in reqs]
-    ours = harness.cache_factory("int4", nbits=cfg.nbits, group_size=cfg.group_size, residual=cfg.residual)
-    systems = {"ours-int4": lambda p, r: forced_logits(lm.model, ours, p, r).double(),
-               "hf-QuantizedCache": lambda p, r: hf_steps(hf, p, len(r) - 1, r, hf_int4(hf, cfg))[0].double()}
+    ours = {b: harness.cache_factory(b, **({"nbits": cfg.nbits, "group_size": cfg.group_size,
+                                              "residual": cfg.residual} if b == "int4" else {}))
+            for b in cfg.quality_backends}
+    systems = {f"ours-{b}": partial(lambda f, p, r: forced_logits(lm.model, f, p, r).double(), f) for b, f in ours.items()}
+    systems["hf-QuantizedCache"] = lambda p, r: hf_steps(hf, p, len(r) - 1, r, hf_int4(hf, cfg))[0].double()
     per = {name: [] for name in systems}
     for i, (prompt, ref) in enumerate(seqs):
         dense = dense_logits(lm.model, prompt, ref).double()
@@ -394,6 +406,15 @@ def check(cfg: DictConfig) -> None:
             p.append(f"verify_compile must be true or false, got {cfg.verify_compile!r}")
     if cfg.part in ("kv_speed", "kv_memory", "mixed_step"):
         p += _backend_problems(cfg)
+    if cfg.part == "kv_quality":
+        known = harness.group_options("cache")
+        p += [f"quality_backends: no cache {b!r}; the options are {', '.join(known)}" for b in cfg.quality_backends
+              if b not in known]
+    if cfg.part == "kv_speed":
+        kinds = ("int8", "int4", "int8+head", "int4+head")
+        p += [f"kv_weights: {w!r} is not one of {list(kinds)}" for w in cfg.kv_weights if w not in kinds]
+        if not isinstance(cfg.kv_compile, bool):
+            p.append(f"kv_compile must be true or false, got {cfg.kv_compile!r}")
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
     if cfg.part in ("weights", "weights_quality"):

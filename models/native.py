@@ -136,9 +136,9 @@ def _build() -> None:
         torch.library.register_fake("decodelab::int4_mm")(
             lambda x, nib, scales, shifts, group_size: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::decode_attention")(
-            lambda q, keys, values, pos, scale, window: q.new_empty(q.shape))
+            lambda q, keys, values, pos, scale, window, k_scale=None, v_scale=None: q.new_empty(q.shape))
         torch.library.register_fake("decodelab::paged_decode_attention")(
-            lambda q, k_pool, v_pool, table, pos, scale, window: q.new_empty(q.shape))
+            lambda q, k_pool, v_pool, table, pos, scale, window, k_scale=None, v_scale=None: q.new_empty(q.shape))
         torch.library.register_fake("decodelab::int4_decode_attention")(
             lambda q, *stores_and_options: q.new_empty(q.shape))
     except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
@@ -239,12 +239,15 @@ def dequantize_rows(weights: str, o0: int, n: int, out: torch.Tensor, codes: tor
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
-    """q [B, Hq, T, D] over the row-major cache buffers keys, values [B, Hkv, S, D] (fp32,
-    contiguous; GQA: query head h reads kv head h // (Hq / Hkv)): each query at position
-    pos [B, T] sees the slots at or before it (and, with a `window`, the `window` - 1
-    before it); only those are read -> [B, Hq, T, D] (the operator decodelab::decode_attention)."""
-    return _ops().decode_attention(q, keys, values, pos, scale, window or 0)
+                     window: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, T, D] (fp32) over the row-major cache buffers keys, values [B, Hkv, S, D]
+    (contiguous; fp32, bf16, fp16 or fp8 e4m3, read in place; GQA: query head h reads kv
+    head h // (Hq / Hkv)): each query at position pos [B, T] sees the slots at or before it
+    (and, with a `window`, the `window` - 1 before it); only those are read; k_scale,
+    v_scale [Hkv] multiply what is read (fp8's scales) -> [B, Hq, T, D] (the operator
+    decodelab::decode_attention)."""
+    return _ops().decode_attention(q, keys, values, pos, scale, window or 0, k_scale, v_scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -254,17 +257,17 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     offset s % bs; block ids checked against N; -1, no block, reads block 0 as
     `gather_rows` does) -> [B, Hq, T, D] (the operator
     decodelab::paged_decode_attention)."""
-    return _ops().paged_decode_attention(q, k_pool, v_pool, table, pos, scale, window or 0)
+    return _ops().paged_decode_attention(q, k_pool, v_pool, table, pos, scale, window or 0, None, None)
 
 
-def int4_decode_attention(q: torch.Tensor, stores: list[list[torch.Tensor]], spans: torch.Tensor, qpos: torch.Tensor,
+def int4_decode_attention(q: torch.Tensor, stores: list[list[torch.Tensor]], spans: list[int], qpos: torch.Tensor,
                           vis: torch.Tensor, scale: float, window: int | None, key_group: int,
                           value_group: int) -> torch.Tensor:
     """Decode attention of q [B, Hq, T, D] (fp32) straight from an int4 cache layer's stores
     (cache/int4.py; keys per channel in groups of `key_group` tokens, values per token in
     groups of `value_group` channels): `stores` holds, per kind, one tensor per row, in the
     order key codes, key scales, key shifts, value codes, value scales, value shifts, exact
-    keys, exact values; spans [B, 5] = (dequant_from, dequant_to, exact_from, exact_to,
-    exact_start); qpos, vis [B, T]: each query's position and V(q). Reads the packed codes in
+    keys, exact values; spans: per row (dequant_from, dequant_to, exact_from, exact_to,
+    exact_start), flattened; qpos, vis [B, T]: each query's position and V(q). Reads the packed codes in
     place -> [B, Hq, T, D] (the operator decodelab::int4_decode_attention)."""
     return _ops().int4_decode_attention(q, *stores, spans, qpos, vis, scale, window or 0, key_group, value_group)

@@ -119,11 +119,10 @@ def int4_attention_native(q, rows: Int4Rows, qpos, vis, scale, window=None, soft
 
     if softcap is not None:
         raise ValueError("the native int4 attention has no logit softcap; use the reference")
-    stores = [[getattr(rows.key_codes[b], f) for b in range(len(rows.key_codes))] for f in ("data", "scale", "offset")]
-    stores += [[getattr(rows.value_codes[b], f) for b in range(len(rows.value_codes))]
-               for f in ("data", "scale", "offset")]
-    stores += [list(rows.key_exact), list(rows.value_exact)]
-    spans = torch.tensor([rows.dequant_from, rows.dequant_to, rows.exact_from, rows.exact_to, rows.exact_start],
-                         dtype=torch.long).T.reshape(-1, 5)
+    k, v = rows.key_codes, rows.value_codes
+    stores = [[s.data for s in k], [s.scale for s in k], [s.offset for s in k], [s.data for s in v],
+              [s.scale for s in v], [s.offset for s in v], rows.key_exact, rows.value_exact]
+    spans = [x for span in zip(rows.dequant_from, rows.dequant_to, rows.exact_from, rows.exact_to, rows.exact_start)
+             for x in span]
     return native.int4_decode_attention(q, stores, spans, qpos, vis, scale, window, rows.key_grouping.size,
                                         rows.value_grouping.size)

@@ -255,92 +255,6 @@ static void merge_parts(const float* part, int64_t rows, int64_t C, int64_t g, i
     }
 }
 
-/* Attention of decode-shaped queries over a row-major cache: out[b, h, t] = softmax over the
-   slots s this query sees (s <= pos[b, t], and s > pos[b, t] - window where window > 0) of
-   (q[b, h, t] . k[b, h / g, s]) * scale, times v[b, h / g, s], g = Hq / Hkv; fp32 throughout.
-   q, out [B, Hq, T, D]; k, v [B, Hkv, S, D]; D % 8 == 0. Only the seen slots are read, each
-   once for the g query heads that share it. The work: (b, kv head, t) x C chunks of the seen
-   slots (C so that every thread gets work), each chunk's softmax taken against its own max;
-   the chunks then merge exactly (flash-decoding). Returns 0, or -1 when out of memory. */
-/* table (may be NULL): a paged cache's block table [B, M] (int64); then k, v are the block
-   pools [Hkv, N, bs, D] and slot s of row b lives in block table[b, s / bs] at offset s % bs
-   (S = M x bs; an entry of -1, no block, reads block 0); without it k, v are row-major
-   [B, Hkv, S, D]. */
-int dl_decode_attn(const float* q, const float* k, const float* v, const int64_t* pos, int64_t B, int64_t Hq,
-                   int64_t Hkv, int64_t T, int64_t S, int64_t D, float scale, int64_t window, float* out,
-                   const int64_t* table, int64_t M, int64_t bs, int64_t N) {
-    int64_t g = Hq / Hkv, rows = B * Hkv * T, threads = omp_get_max_threads();
-    int64_t C = (2 * threads + rows - 1) / rows;
-    if (C > 16) C = 16;
-    if (C < 1) C = 1;
-    /* per (row, chunk, query head): max, sum, unnormalized output [D] */
-    float* part = (float*)malloc(sizeof(float) * (size_t)(rows * C * g * (D + 2)));
-    int64_t span = S / C + 2;
-    int failed = part ? 0 : 1;
-    if (failed) return -1;
-    #pragma omp parallel
-    {
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(g * span));
-        if (!sc) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t it = 0; it < rows * C; it++) {
-            if (!sc) continue;
-            int64_t c = it % C, r = it / C, t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
-            int64_t p = pos[b * T + t], hi = (p < S - 1 ? p : S - 1) + 1, lo = 0;
-            if (window > 0 && p - window + 1 > 0) lo = p - window + 1;
-            int64_t n = hi > lo ? hi - lo : 0;
-            int64_t c0 = lo + n * c / C, c1 = lo + n * (c + 1) / C;
-            const float* kh = table ? k + hk * N * bs * D : k + (b * Hkv + hk) * S * D;
-            const float* vh = table ? v + hk * N * bs * D : v + (b * Hkv + hk) * S * D;
-            const int64_t* tb = table ? table + b * M : NULL;
-            /* a position of no block (-1) reads block 0, as the gather does: past the row's length */
-#define DL_SLOT(s) (tb ? ((tb[(s) / bs] > 0 ? tb[(s) / bs] : 0) * bs + (s) % bs) * D : (s) * D)
-            float* pr = part + it * g * (D + 2);
-            for (int64_t j = 0; j < g; j++) {
-                float* o = pr + j * (D + 2);
-                o[0] = -INFINITY; o[1] = 0.f;
-                for (int64_t d = 0; d < D; d++) o[2 + d] = 0.f;
-            }
-            if (c1 <= c0) continue;
-            for (int64_t s = c0; s < c1; s++) {
-                const float* ks = kh + DL_SLOT(s);
-                for (int64_t j = 0; j < g; j++) {
-                    const float* qr = q + ((b * Hq + hk * g + j) * T + t) * D;
-                    __m256 a = _mm256_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 8)
-                        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(ks + d), a);
-                    float x = hsum(a) * scale;
-                    sc[j * span + (s - c0)] = x;
-                    if (x > pr[j * (D + 2)]) pr[j * (D + 2)] = x;
-                }
-            }
-            for (int64_t j = 0; j < g; j++) {
-                float mx = pr[j * (D + 2)], sum = 0.f;
-                float* e = sc + j * span;
-                for (int64_t s = 0; s < c1 - c0; s++) { e[s] = expf(e[s] - mx); sum += e[s]; }
-                pr[j * (D + 2) + 1] = sum;
-            }
-            for (int64_t s = c0; s < c1; s++) {
-                const float* vs = vh + DL_SLOT(s);
-                for (int64_t j = 0; j < g; j++) {
-                    float* o = pr + j * (D + 2) + 2;
-                    __m256 w = _mm256_set1_ps(sc[j * span + (s - c0)]);
-                    for (int64_t d = 0; d < D; d += 8)
-                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs + d), _mm256_loadu_ps(o + d)));
-                }
-            }
-        }
-#undef DL_SLOT
-        free(sc);
-    }
-    if (!failed) merge_parts(part, rows, C, g, T, Hkv, Hq, D, out);
-    free(part);
-    return failed ? -1 : 0;
-}
-
 /* e^x for 8 lanes (Cephes' expf: range reduction by ln 2, a degree-5 polynomial, within
    2 ulp of expf); x below -87.3, -inf included, gives 0. */
 static inline __m256 exp8(__m256 x) {
@@ -374,6 +288,125 @@ static inline float exp_sum(float* e, int64_t n, float mx) {
     float sum = hsum(acc);
     for (; i < n; i++) { e[i] = expf(e[i] - mx); sum += e[i]; }
     return sum;
+}
+
+/* 8 stored K/V elements from element i of p, as fp32: KIND 0 fp32, 1 bf16, 2 fp16, 3 fp8
+   e4m3 (exact: normals by moving the exponent, subnormals m x 2^-9, the sign or'ed in). */
+static inline __attribute__((always_inline)) __m256 kv8(const void* p, int64_t i, const int KIND) {
+    if (KIND == 0) return _mm256_loadu_ps((const float*)p + i);
+    if (KIND == 3) {
+        __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));
+        __m256i em = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+        __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+        __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0x07))),
+                                   _mm256_set1_ps(1.f / 512.f));
+        __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
+        __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+        return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+    }
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    if (KIND == 2) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* One work item of dl_decode_attn: kv head hk of row b, query t, the seen slots [c0, c1);
+   the partials pr [g, D + 2] (max, sum, unnormalized output). */
+static inline __attribute__((always_inline)) void decode_item(const int KIND, const float* q, const void* kh,
+        const void* vh, const int64_t* tb, int64_t bs, int64_t b, int64_t hk, int64_t t, int64_t Hq, int64_t T,
+        int64_t D, int64_t g, int64_t c0, int64_t c1, float scale, float vscale, float* sc, int64_t span,
+        float* pr) {
+    /* a position of no block (-1) reads block 0, as the gather does: past the row's length */
+#define DL_SLOT(s) (tb ? ((tb[(s) / bs] > 0 ? tb[(s) / bs] : 0) * bs + (s) % bs) * D : (s) * D)
+    for (int64_t s = c0; s < c1; s++) {
+        int64_t at = DL_SLOT(s);
+        for (int64_t j = 0; j < g; j++) {
+            const float* qr = q + ((b * Hq + hk * g + j) * T + t) * D;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), kv8(kh, at + d, KIND), a);
+            float x = hsum(a) * scale;
+            sc[j * span + (s - c0)] = x;
+            if (x > pr[j * (D + 2)]) pr[j * (D + 2)] = x;
+        }
+    }
+    for (int64_t j = 0; j < g; j++) pr[j * (D + 2) + 1] = exp_sum(sc + j * span, c1 - c0, pr[j * (D + 2)]);
+    for (int64_t s = c0; s < c1; s++) {
+        int64_t at = DL_SLOT(s);
+        for (int64_t j = 0; j < g; j++) {
+            float* o = pr + j * (D + 2) + 2;
+            __m256 w = _mm256_set1_ps(sc[j * span + (s - c0)] * vscale);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, kv8(vh, at + d, KIND), _mm256_loadu_ps(o + d)));
+        }
+    }
+#undef DL_SLOT
+}
+
+/* Attention of decode-shaped queries over a row-major cache: out[b, h, t] = softmax over the
+   slots s this query sees (s <= pos[b, t], and s > pos[b, t] - window where window > 0) of
+   (q[b, h, t] . k[b, h / g, s]) * scale, times v[b, h / g, s], g = Hq / Hkv; computed in fp32.
+   q, out [B, Hq, T, D]; k, v [B, Hkv, S, D]; D % 8 == 0. Only the seen slots are read, each
+   once for the g query heads that share it. The work: (b, kv head, t) x C chunks of the seen
+   slots (C so that every thread gets work), each chunk's softmax taken against its own max;
+   the chunks then merge exactly (flash-decoding). Returns 0, or -1 when out of memory. */
+/* table (may be NULL): a paged cache's block table [B, M] (int64); then k, v are the block
+   pools [Hkv, N, bs, D] and slot s of row b lives in block table[b, s / bs] at offset s % bs
+   (S = M x bs; an entry of -1, no block, reads block 0); without it k, v are row-major
+   [B, Hkv, S, D]. kind: how K and V are stored (0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3; `kv8`);
+   kv head hk's keys are read times kscale[hk] and its values times vscale[hk] (NULL: 1),
+   folded into the scores and the softmax weights. */
+int dl_decode_attn(const float* q, const void* k, const void* v, const int64_t* pos, int64_t B, int64_t Hq,
+                   int64_t Hkv, int64_t T, int64_t S, int64_t D, float scale, int64_t window, float* out,
+                   const int64_t* table, int64_t M, int64_t bs, int64_t N, int kind, const float* kscale,
+                   const float* vscale) {
+    int64_t g = Hq / Hkv, rows = B * Hkv * T, threads = omp_get_max_threads();
+    int64_t esize = kind == 0 ? 4 : kind == 3 ? 1 : 2;
+    int64_t C = (2 * threads + rows - 1) / rows;
+    if (C > 16) C = 16;
+    if (C < 1) C = 1;
+    /* per (row, chunk, query head): max, sum, unnormalized output [D] */
+    float* part = (float*)malloc(sizeof(float) * (size_t)(rows * C * g * (D + 2)));
+    int64_t span = S / C + 2;
+    int failed = part ? 0 : 1;
+    if (failed) return -1;
+    #pragma omp parallel
+    {
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(g * span));
+        if (!sc) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t it = 0; it < rows * C; it++) {
+            if (!sc) continue;
+            int64_t c = it % C, r = it / C, t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
+            int64_t p = pos[b * T + t], hi = (p < S - 1 ? p : S - 1) + 1, lo = 0;
+            if (window > 0 && p - window + 1 > 0) lo = p - window + 1;
+            int64_t n = hi > lo ? hi - lo : 0;
+            int64_t c0 = lo + n * c / C, c1 = lo + n * (c + 1) / C;
+            const char* kh = (const char*)k + (table ? hk * N * bs * D : (b * Hkv + hk) * S * D) * esize;
+            const char* vh = (const char*)v + (table ? hk * N * bs * D : (b * Hkv + hk) * S * D) * esize;
+            const int64_t* tb = table ? table + b * M : NULL;
+            float* pr = part + it * g * (D + 2);
+            for (int64_t j = 0; j < g; j++) {
+                float* o = pr + j * (D + 2);
+                o[0] = -INFINITY; o[1] = 0.f;
+                for (int64_t d = 0; d < D; d++) o[2 + d] = 0.f;
+            }
+            if (c1 <= c0) continue;
+            float ks = scale * (kscale ? kscale[hk] : 1.f), vs = vscale ? vscale[hk] : 1.f;
+            switch (kind) {
+                case 0: decode_item(0, q, kh, vh, tb, bs, b, hk, t, Hq, T, D, g, c0, c1, ks, vs, sc, span, pr); break;
+                case 1: decode_item(1, q, kh, vh, tb, bs, b, hk, t, Hq, T, D, g, c0, c1, ks, vs, sc, span, pr); break;
+                case 2: decode_item(2, q, kh, vh, tb, bs, b, hk, t, Hq, T, D, g, c0, c1, ks, vs, sc, span, pr); break;
+                default: decode_item(3, q, kh, vh, tb, bs, b, hk, t, Hq, T, D, g, c0, c1, ks, vs, sc, span, pr);
+            }
+        }
+        free(sc);
+    }
+    if (!failed) merge_parts(part, rows, C, g, T, Hkv, Hq, D, out);
+    free(part);
+    return failed ? -1 : 0;
 }
 
 /* Scales and shifts of an int4 cache as stored (scale_dtype: kind 0 fp16, 1 bf16, 2 fp32), as fp32. */

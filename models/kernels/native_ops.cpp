@@ -9,8 +9,9 @@ extern "C" {
 void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, float*, int64_t);
 int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
-int dl_decode_attn(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                   int64_t, int64_t, float, int64_t, float*, const int64_t*, int64_t, int64_t, int64_t);
+int dl_decode_attn(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float, int64_t, float*, const int64_t*, int64_t, int64_t, int64_t, int,
+                   const float*, const float*);
 void dl_int4_dequant(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*,
                      uint16_t*);
 int dl_int4_decode_attn(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t* const*,
@@ -103,16 +104,39 @@ void int4_dequant(const at::Tensor& nib, const at::Tensor& scales, const at::Ten
                     bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr);
 }
 
+// How the decode kernels read stored K/V (dl_decode_attn's kind), and each kv head's scale.
+static int kv_kind(const at::Tensor& kv, const char* who) {
+    switch (kv.scalar_type()) {
+        case at::kFloat: return 0;
+        case at::kBFloat16: return 1;
+        case at::kHalf: return 2;
+        case at::kFloat8_e4m3fn: return 3;
+        default: TORCH_CHECK(false, who, ": keys and values must be float32, bfloat16, float16 or float8_e4m3fn, got ",
+                             kv.scalar_type());
+    }
+    return -1;
+}
+
+static at::Tensor head_scales(const std::optional<at::Tensor>& s, int64_t Hkv, const char* who) {
+    if (!s.has_value()) return at::Tensor();
+    TORCH_CHECK(s->numel() == Hkv && s->device().is_cpu(), who, ": one scale per kv head (", Hkv, "), on the CPU");
+    return s->to(at::kFloat).contiguous();
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& pos, double scale, int64_t window) {
+                            const at::Tensor& pos, double scale, int64_t window,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
     TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(),
                 "decodelab decode_attention: q [B, Hq, T, D], keys and values [B, Hkv, S, D]");
     int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = keys.size(1), S = keys.size(2);
     TORCH_CHECK(keys.size(0) == B && keys.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D % 8 == 0,
                 "decodelab decode_attention: shapes q ", q.sizes(), " keys ", keys.sizes());
-    TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                values.scalar_type() == at::kFloat && keys.is_contiguous() && values.is_contiguous() &&
-                keys.device().is_cpu(), "decodelab decode_attention: contiguous float32 CPU keys and values");
+    int kind = kv_kind(keys, "decodelab decode_attention");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && values.scalar_type() == keys.scalar_type() && keys.is_contiguous() &&
+                values.is_contiguous() && keys.device().is_cpu(),
+                "decodelab decode_attention: float32 q, contiguous CPU keys and values of one dtype");
+    auto ksc = head_scales(k_scale, Hkv, "decodelab decode_attention"),
+         vsc = head_scales(v_scale, Hkv, "decodelab decode_attention");
     TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T,
                 "decodelab decode_attention: pos must be [B, T] = [", B, ", ", T, "]");
     TORCH_CHECK(q.device().is_cpu() && values.device().is_cpu() && pos.device().is_cpu(),
@@ -121,15 +145,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
     auto pc = pos.to(at::kLong).contiguous();
     auto out = at::empty({B, Hq, T, D}, q.options());
     if (out.numel() == 0 || S == 0) return out.zero_();
-    int rc = dl_decode_attn(qc.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(),
-                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>(),
-                            nullptr, 0, 0, 0);
+    int rc = dl_decode_attn(qc.data_ptr<float>(), keys.data_ptr(), values.data_ptr(), pc.data_ptr<int64_t>(), B, Hq,
+                            Hkv, T, S, D, (float)scale, window, out.data_ptr<float>(), nullptr, 0, 0, 0, kind,
+                            ksc.defined() ? ksc.data_ptr<float>() : nullptr,
+                            vsc.defined() ? vsc.data_ptr<float>() : nullptr);
     TORCH_CHECK(rc == 0, "decodelab decode_attention: out of memory for the scores");
     return out;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& table, const at::Tensor& pos, double scale, int64_t window) {
+                                  const at::Tensor& table, const at::Tensor& pos, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
     TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && table.dim() == 2,
                 "decodelab paged_decode_attention: q [B, Hq, T, D], pools [Hkv, N, bs, D], table [B, M]");
     int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k_pool.size(0);
@@ -138,9 +164,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                 N > 0,
                 "decodelab paged_decode_attention: shapes q ", q.sizes(), " pools ", k_pool.sizes(), " table ",
                 table.sizes());
-    TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
-                v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() && v_pool.is_contiguous(),
-                "decodelab paged_decode_attention: contiguous float32 pools");
+    int kind = kv_kind(k_pool, "decodelab paged_decode_attention");
+    TORCH_CHECK(q.scalar_type() == at::kFloat && v_pool.scalar_type() == k_pool.scalar_type() &&
+                k_pool.is_contiguous() && v_pool.is_contiguous(),
+                "decodelab paged_decode_attention: float32 q, contiguous pools of one dtype");
+    auto ksc = head_scales(k_scale, Hkv, "decodelab paged_decode_attention"),
+         vsc = head_scales(v_scale, Hkv, "decodelab paged_decode_attention");
     TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T,
                 "decodelab paged_decode_attention: pos must be [B, T] = [", B, ", ", T, "]");
     TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu() &&
@@ -156,9 +185,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     }
     auto out = at::empty({B, Hq, T, D}, q.options());
     if (out.numel() == 0 || S == 0) return out.zero_();
-    int rc = dl_decode_attn(qc.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                            pc.data_ptr<int64_t>(), B, Hq, Hkv, T, S, D, (float)scale, window, out.data_ptr<float>(),
-                            tc.data_ptr<int64_t>(), M, bs, N);
+    int rc = dl_decode_attn(qc.data_ptr<float>(), k_pool.data_ptr(), v_pool.data_ptr(), pc.data_ptr<int64_t>(), B, Hq,
+                            Hkv, T, S, D, (float)scale, window, out.data_ptr<float>(), tc.data_ptr<int64_t>(), M, bs,
+                            N, kind, ksc.defined() ? ksc.data_ptr<float>() : nullptr,
+                            vsc.defined() ? vsc.data_ptr<float>() : nullptr);
     TORCH_CHECK(rc == 0, "decodelab paged_decode_attention: out of memory for the scores");
     return out;
 }
@@ -167,7 +197,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 // against the shapes the kernel reads: see dl_int4_decode_attn.
 at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::TensorList ks, at::TensorList ko,
                                  at::TensorList vd, at::TensorList vs, at::TensorList vo, at::TensorList ke,
-                                 at::TensorList ve, const at::Tensor& spans, const at::Tensor& qpos,
+                                 at::TensorList ve, at::IntArrayRef spans, const at::Tensor& qpos,
                                  const at::Tensor& vis, double scale, int64_t window, int64_t kg, int64_t vg) {
     const char* w = "decodelab int4_decode_attention: ";
     TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu(), w,
@@ -178,15 +208,14 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
                 (int64_t)ke.size() == B && (int64_t)ve.size() == B, w, "one store of each kind per row (", B, ")");
     TORCH_CHECK(D % 8 == 0 && kg % 2 == 0 && kg > 0 && vg > 0 && vg % 16 == 0 && D % vg == 0, w,
                 "head size ", D, " with key group ", kg, " and value group ", vg, " (a multiple of 16 dividing D)");
-    TORCH_CHECK(spans.dim() == 2 && spans.size(0) == B && spans.size(1) == 5 && qpos.dim() == 2 &&
-                qpos.size(0) == B && qpos.size(1) == T && vis.sizes() == qpos.sizes(), w,
-                "spans [B, 5], qpos and vis [B, T]");
+    TORCH_CHECK((int64_t)spans.size() == 5 * B && qpos.dim() == 2 && qpos.size(0) == B && qpos.size(1) == T &&
+                vis.sizes() == qpos.sizes(), w, "5 spans per row, qpos and vis [B, T]");
     int64_t Hkv = B ? ke[0].size(0) : 1;
     TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, w, Hq, " query heads over ", Hkv, " kv heads");
     at::ScalarType st = B ? ks[0].scalar_type() : at::kHalf;
     int skind = st == at::kHalf ? 0 : st == at::kBFloat16 ? 1 : st == at::kFloat ? 2 : -1;
     TORCH_CHECK(skind >= 0, w, "scales must be float16, bfloat16 or float32, got ", st);
-    auto sp = spans.to(at::kLong).contiguous(), qp = qpos.to(at::kLong).contiguous(), vp = vis.to(at::kLong).contiguous();
+    auto qp = qpos.to(at::kLong).contiguous(), vp = vis.to(at::kLong).contiguous();
     std::vector<at::Tensor> keep;
     std::vector<const uint8_t*> kdp(B), vdp(B);
     std::vector<const void*> ksp(B), kop(B), vsp(B), vop(B);
@@ -207,7 +236,7 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
         TORCH_CHECK(E >= 0 && ke[b].sizes() == at::IntArrayRef({Hkv, E, D}) && ve[b].sizes() == ke[b].sizes() &&
                     ke[b].scalar_type() == at::kFloat && ve[b].scalar_type() == at::kFloat, w, "row ", b,
                     ": exact stores must be float32 [", Hkv, ", E, ", D, "]");
-        const int64_t* m = sp.data_ptr<int64_t>() + b * 5;  // dequant_from, dequant_to, exact_from, exact_to, p0
+        const int64_t* m = spans.data() + b * 5;  // dequant_from, dequant_to, exact_from, exact_to, p0
         TORCH_CHECK(0 <= m[0] && m[0] <= m[1] && m[1] <= N && (m[3] <= m[2] || (m[4] <= m[2] && m[3] <= m[4] + E)),
                     w, "row ", b, ": spans [", m[0], ", ", m[1], ") quantized of ", N, " and [", m[2], ", ", m[3],
                     ") exact of [", m[4], ", ", m[4] + E, ") are not held");
@@ -236,13 +265,14 @@ TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
-    m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window, "
+          "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
     m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor pos, float scale, "
-          "int window) -> Tensor");
+          "int window, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
     m.def("int4_dequant(Tensor nib, Tensor scales, Tensor shifts, int group_size, int o0, int n, "
           "Tensor(a!) out) -> ()");
     m.def("int4_decode_attention(Tensor q, Tensor[] kd, Tensor[] ks, Tensor[] ko, Tensor[] vd, Tensor[] vs, "
-          "Tensor[] vo, Tensor[] ke, Tensor[] ve, Tensor spans, Tensor qpos, Tensor vis, float scale, int window, "
+          "Tensor[] vo, Tensor[] ke, Tensor[] ve, int[] spans, Tensor qpos, Tensor vis, float scale, int window, "
           "int key_group, int value_group) -> Tensor");
 }
 

@@ -25,7 +25,8 @@ def filled(backend: str, seed: int = 0):
 
 def test_fill_random_holds_n_tokens_per_row(backend):
     c = filled(backend)
-    assert c.lengths.tolist() == [N, N] and c.theoretical_bytes() == 2 * N * 2 * 2 * H_KV * D * 4
+    elem = getattr(c, "kv_dtype", torch.float32).itemsize  # the formula at the stored dtype (dense's kv_dtype)
+    assert c.lengths.tolist() == [N, N] and c.theoretical_bytes() == 2 * N * 2 * 2 * H_KV * D * elem
     for row in range(2):
         pos, k, v = c.read(1, row)  # the full layer: every position
         assert pos.tolist() == list(range(N)) and k.shape == v.shape == (H_KV, N, D)
@@ -62,12 +63,22 @@ def test_fill_random_beyond_capacity_is_refused(backend):
         build(backend, WINDOWS, capacity=16).fill_random(17)
 
 
+def stored(c, layer: int, x: torch.Tensor, kind: str = "k") -> torch.Tensor:
+    """x [Hkv, ...] read from a cache's storage as `read` returns it: a dense cache's
+    kv_dtype widened (fp8: times its scale per head)."""
+    if not hasattr(c, "kv_dtype") or x.dtype == c.layout.dtype:
+        return x
+    scale = (c.k_scale if kind == "k" else c.v_scale)[layer] if c.fp8 else torch.ones(x.shape[0])
+    return x.to(c.layout.dtype) * scale.view(-1, *[1] * (x.dim() - 1))
+
+
 def test_read_bytes(backend):
     c = filled(backend)
-    if c.lossy:  # int4 reads its stores as they are: codes, scales, shifts and exact copies
+    elem = getattr(c, "kv_dtype", torch.float32).itemsize
+    if backend == "int4":  # int4 reads its stores as they are: codes, scales, shifts and exact copies
         assert c.read_bytes(N) == c.nbytes() < 2 * (8 + N) * 2 * H_KV * D * 4
-    else:  # the window caps layer 0 at 8 visible tokens: 2 rows x (8 + 40) tokens x K, V x Hkv x D x fp32
-        assert c.read_bytes(N) == 2 * (8 + N) * 2 * H_KV * D * 4 == 12288
+    else:  # the window caps layer 0 at 8 visible tokens: 2 rows x (8 + 40) tokens x K, V x Hkv x D x bytes
+        assert c.read_bytes(N) == 2 * (8 + N) * 2 * H_KV * D * elem == 12288 * elem // 4
 
 
 def test_static_view_addresses_what_read_returns_or_is_refused(backend):
@@ -87,8 +98,8 @@ def test_static_view_addresses_what_read_returns_or_is_refused(backend):
             _, k, v = c.read(layer, row)
             for p in (0, 15, 16, N - 1):  # paged: blocks 0, 0, 1, 2
                 blk = int(view.table[row, p // bs])
-                assert torch.equal(view.k[layer][:, blk, p % bs], k[:, p])
-                assert torch.equal(view.v[layer][:, blk, p % bs], v[:, p])
+                assert torch.equal(stored(c, layer, view.k[layer][:, blk, p % bs]), k[:, p])
+                assert torch.equal(stored(c, layer, view.v[layer][:, blk, p % bs], "v"), v[:, p])
 
 
 def test_static_view_writes_land_in_the_cache(backend):
@@ -100,7 +111,7 @@ def test_static_view_writes_land_in_the_cache(backend):
     view.refresh()
     bs, new = view.block_size, torch.randn(H_KV, D)
     view.k[1][:, int(view.table[1, N // bs]), N % bs] = new
-    assert torch.equal(c.read(1, 1)[1][:, N], new)
+    assert torch.equal(c.read(1, 1)[1][:, N], stored(c, 1, new.to(view.k[1].dtype)))  # rounded as stored
 
 
 def test_sliding_without_rings_offers_the_dense_view():

@@ -98,7 +98,7 @@ def test_reset_forgets_everything(backend):
 def test_nbytes_and_formula(backend):
     c = build(backend, WINDOWS)
     History(c, WINDOWS).step(torch.arange(10).expand(2, -1))
-    per_token = 2 * 2 * H_KV * D * 4  # K and V, 2 layers, fp32
+    per_token = 2 * 2 * H_KV * D * getattr(c, "kv_dtype", torch.float32).itemsize  # K and V, 2 layers, as stored
     assert c.theoretical_bytes() == 20 * per_token
     if c.lossy:  # quantized storage may hold fewer bytes than the formula's full precision
         assert c.nbytes() > 0

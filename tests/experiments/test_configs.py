@@ -12,6 +12,9 @@ from decodelab.models.errors import SetupError
 from decodelab.models.loading import CONF_DIR
 
 
+#: the class each conf/cache option builds, by the option's stem (dense-bf16, dense-fp8 ...: dense)
+CLASSES = {"dense": "DenseCache", "paged": "PagedCache", "int4": "QuantizedCache", "sliding": "SlidingCache"}
+
 def config(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name="config", overrides=list(overrides))
@@ -30,8 +33,7 @@ def test_every_cache_decoder_combination_checks_and_builds(cache, decoder, tiny_
     lm = tiny_models["llama"]
     factory, dec = harness.build(cfg, lm)
     built = factory(CacheLayout.of(lm.model), 1, 16)  # the class each yaml's _target_ names
-    assert type(built).__name__ == {"dense": "DenseCache", "paged": "PagedCache", "int4": "QuantizedCache",
-                                    "sliding": "SlidingCache"}[cache]
+    assert type(built).__name__ == CLASSES[cache.split("-")[0]]  # dense-bf16 ...: dense with a kv_dtype
     assert type(dec).__name__ == {"greedy": "SamplingDecoder", "sampling": "SamplingDecoder",
                                   "speculative": "SpeculativeDecoder", "tree": "TreeSpeculativeDecoder"}[decoder]
     lookahead = {"speculative": 5, "tree": 13}.get(decoder, 0)  # gamma 4 + 1; 1 + width 3 x depth 4
@@ -51,8 +53,7 @@ def test_a_draft_cache_of_its_own_is_built_from_its_option(cache, tiny_models):
     factory, dec = harness.build(cfg, lm)
     layout = CacheLayout.of(lm.model)
     assert type(dec.drafter.cache_factory(layout, 1, 16)).__name__ == "DenseCache"
-    assert type(factory(layout, 1, 16)).__name__ == {"dense": "DenseCache", "paged": "PagedCache",
-                                                     "int4": "QuantizedCache", "sliding": "SlidingCache"}[cache]
+    assert type(factory(layout, 1, 16)).__name__ == CLASSES[cache.split("-")[0]]
 
 
 def test_a_drafter_built_without_a_cache_factory(tiny_models):
@@ -202,7 +203,7 @@ def test_precheck_lists_unknown_groups_keys_and_bad_values_together(capsys):
                   "max_new_token=3"], "config", check)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "invalid setup (4 problem(s))" in err
-    assert "no such cache; the options are dense, int4, paged, sliding" in err
+    assert "no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, sliding" in err
     assert "did you mean decoder.temperature?" in err and "did you mean max_new_tokens?" in err
     assert "gamma must be an integer >= 1, got 0" in err
 
@@ -366,7 +367,7 @@ def test_a_choice_of_a_group_option_that_does_not_exist_is_named(capsys):
 
     with pytest.raises(SystemExit):
         precheck(["-m", "cache=choice(dense,pagd)"], "config", check)
-    assert "cache=pagd: no such cache; the options are dense, int4, paged, sliding" in capsys.readouterr().err
+    assert "cache=pagd: no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, sliding" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["-m", "cache=choice(int4,paged)", "cache.impl=reference"],

@@ -305,3 +305,35 @@ def test_speculative_series_keep_sources_apart(sweep):
     from decodelab.experiments.figures import agreement_figure
 
     assert [r.label for r in agreement_figure(runs).panels[0].rows] == ["int4 dense", "int4 transformers"]
+
+
+def test_kv_speed_figure_draws_time_and_bytes_on_log_axes_and_marks_the_crossover(tmp_path):
+    """kv_speed's records: dense and int4, eager and compiled, at 1k, 2k and 8k; int4 is
+    slower than dense at 1k and faster at 2k (eager: the crossing is marked between them,
+    on log x), never faster compiled (nothing marked); the bytes panel holds every system."""
+    from decodelab.experiments.figures import kv_speed_figure
+
+    itl = {"dense": (30.0, 40.0, 60.0), "int4": (33.0, 36.0, 42.0), "dense compiled": (28.0, 30.0, 40.0),
+           "int4 compiled": (30.0, 33.0, 41.0)}
+    recs = [{"kind": "summary", "entry": "micro", "run": f"kv-{i}-{c}", "finished": "2025-01-01T00:00:00",
+             "setup": {"name": "kv_speed", "model": "smollm2-135m"},
+             "metrics": {"context": c, "system": s, "itl_ms": v[j], "itl_ms_p25": v[j] - 1, "itl_ms_p75": v[j] + 1,
+                         "kv_bytes": c * (1000 if "dense" in s else 200)},
+             "config": {"repeats": 3, "steps": 16, "backends": ["dense", "int4"]},
+             "conditions": {"cpu": CPU, "threads": 2}}
+            for i, (s, v) in enumerate(itl.items()) for j, c in enumerate((1024, 2048, 8192))]
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    spec = kv_speed_figure([r for r in load_runs(tmp_path) if r["entry"] == "micro"])
+    time, nbytes = spec.panels
+    assert (time.xscale, time.yscale, nbytes.xscale, nbytes.yscale) == ("log",) * 4
+    groups = [s.group for s in time.series]
+    assert groups[:4] == list(itl) and len(groups) == 5  # one crossing: eager int4 at 1k-2k
+    (cross,) = time.series[4].points
+    f = (33 / 30 - 1) / (33 / 30 - 36 / 40)  # where int4 / dense = 1 between 1k and 2k
+    assert cross.x == pytest.approx(1024 * 2**f) and 1024 < cross.x < 2048
+    assert "int4 = dense at ~" in groups[4]
+    assert time.series[0].points[0].n == 48 and time.series[0].points[0].lo == 29.0
+    assert [p.y for p in nbytes.series[1].points] == pytest.approx([c * 200 / 2**20 for c in (1024, 2048, 8192)])
+    assert "3 x 16 decode steps" in spec.caption
+    drawn(spec)

@@ -84,6 +84,12 @@ def test_kv_speed_times_the_compiled_step_beside_the_eager_one(tmp_path, monkeyp
     assert all(by[f"{b} compiled"]["compile_s"] > 0 for b in ("dense", "int4"))
     assert all(r["itl_ms_p25"] <= r["itl_ms"] <= r["itl_ms_p75"] for r in rows)
     assert by["int4 compiled"]["kv_bytes"] == by["int4"]["kv_bytes"]  # the same tokens held
+    rows = micro(tmp_path, "part=kv_speed", "contexts=[24]", "steps=2", "repeats=1", "backends=[dense,int4]",
+                 "kv_weights=[int4+head]")
+    assert [r["system"] for r in rows] == ["dense", "int4", "int4+head weights, dense", "int4+head weights, int4",
+                                           "hf-QuantizedCache"]
+    with pytest.raises(SetupError, match="(?s)kv_weights: 'int3' is not one of.*kv_compile must be true or false"):
+        micro(tmp_path, "part=kv_speed", "kv_weights=[int3]", "kv_compile=maybe")
 
 
 def test_verify_cost_is_relative_to_one_token_per_impl(tmp_path, monkeypatch):
@@ -381,8 +387,9 @@ def test_kv_quality_at_long_context_forces_the_text_after_concatenated_conversat
     from decodelab.experiments import harness
     from decodelab.experiments.workloads import long_conversations
 
-    rows = micro(tmp_path, "part=kv_quality", "prompts=2", "forced_tokens=8", "quality_context=300")
-    assert [r["system"] for r in rows] == ["ours-int4", "hf-QuantizedCache"]
+    rows = micro(tmp_path, "part=kv_quality", "prompts=2", "forced_tokens=8", "quality_context=300",
+                 "quality_backends=[int4,dense-fp8]")
+    assert [r["system"] for r in rows] == ["ours-int4", "ours-dense-fp8", "hf-QuantizedCache"]
     assert all(r["context_tokens"] == 300 and r["prompts"] == 2 for r in rows)
     assert all(0 < r["mean_kl"] < 1 and 0 <= r["top1_agreement"] <= 1 for r in rows)
     lm = harness.load_model(micro_cfg())
@@ -392,6 +399,8 @@ def test_kv_quality_at_long_context_forces_the_text_after_concatenated_conversat
     assert lm.tokenizer.decode(whole).startswith("User: ")
     with pytest.raises(SetupError, match="forced tokens must be >= 1"):
         long_conversations(lm, 1, 300, 0)
+    with pytest.raises(SetupError, match="quality_backends: no cache 'dense-int3'"):
+        micro(tmp_path, "part=kv_quality", "quality_backends=[dense-int3]")
 
 
 def micro_cfg():
