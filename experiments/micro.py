@@ -134,7 +134,8 @@ def kv_quality(cfg, lm, hf) -> list[dict]:
     ours = {b: harness.cache_factory(b, **({"nbits": cfg.nbits, "group_size": cfg.group_size,
                                               "residual": cfg.residual} if b == "int4" else {}))
             for b in cfg.quality_backends}
-    systems = {f"ours-{b}": partial(lambda f, p, r: forced_logits(lm.model, f, p, r).double(), f) for b, f in ours.items()}
+    forced = lambda f, p, r: forced_logits(lm.model, f, p, r).double()  # noqa: E731
+    systems = {f"ours-{b}": partial(forced, f) for b, f in ours.items()}
     systems["hf-QuantizedCache"] = lambda p, r: hf_steps(hf, p, len(r) - 1, r, hf_int4(hf, cfg))[0].double()
     per = {name: [] for name in systems}
     for i, (prompt, ref) in enumerate(seqs):

@@ -367,7 +367,8 @@ def test_a_choice_of_a_group_option_that_does_not_exist_is_named(capsys):
 
     with pytest.raises(SystemExit):
         precheck(["-m", "cache=choice(dense,pagd)"], "config", check)
-    assert "cache=pagd: no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, sliding" in capsys.readouterr().err
+    assert ("cache=pagd: no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, "
+            "sliding") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["-m", "cache=choice(int4,paged)", "cache.impl=reference"],
