@@ -2,7 +2,9 @@
 (experiments/README.md has the tables).
 
     decodelab-micro part=kv_speed     # decode step per backend and transformers' QuantizedCache, 1k and 4k
-    decodelab-micro part=kv_quality   # int4 KV (ours, transformers') vs dense, teacher-forced ShareGPT replies
+                                      # (kv_compile=true: each backend compiled too; kv_weights: on int4 weights too)
+    decodelab-micro part=kv_quality   # KV types (ours; transformers' int4) vs dense fp32, teacher-forced ShareGPT
+                                      # replies (quality_context=N: after N tokens of concatenated conversations)
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
     decodelab-micro part=kv_memory    # bytes each backend holds vs the formula (fp32, bf16); paged vs dense waste
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
