@@ -99,13 +99,8 @@ def roofline(nbytes: int, seconds: float, copy_gbps: float | None) -> dict:
 
 
 def weight_bytes(model, batch: int) -> int:
-    """Parameter bytes one decode step reads: all of them, but only `batch` rows of an
-    untied embedding (a tied one is read whole by the head)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if model.lm_head is not None:
-        e = model.embed.weight
-        total -= (e.shape[0] - batch) * e.shape[1] * e.element_size()
-    return total
+    """Weight bytes one decode step reads (`Transformer.weight_read_bytes`)."""
+    return model.weight_read_bytes(batch)
 
 
 def step_speed(model, cache, ctx: int, seconds: float, copy_gbps: float | None) -> dict:

@@ -133,6 +133,19 @@ class Timer:
         return sorted(self.seconds)[len(self.seconds) // 2]
 
 
+def read_bandwidth(device="cpu", mib: int = 256, repeats: int = 7) -> list[float]:
+    """The machine's memory read bandwidth as this run sees it (its threads, its device): a
+    streaming read of a `mib` MiB fp32 tensor (`x.sum()`, far larger than any cache), GB/s
+    per timed read, `repeats` of them after one untimed; the denominator of a roofline."""
+    x = torch.ones(mib * 2**18, device=device)  # mib MiB of fp32
+    x.sum()
+    timer = Timer(device)
+    for _ in range(repeats):
+        with timer:
+            x.sum()
+    return [x.numel() * 4 / s / 1e9 for s in timer.seconds]
+
+
 def decode_s(token_times: list[float]) -> float:
     """First to last generated token of one output (its decode phase; 0 for one token)."""
     return token_times[-1] - token_times[0] if len(token_times) > 1 else 0.0

@@ -10,7 +10,9 @@
     decodelab-micro part=mixed_step   # a prefill chunk beside a decode step: alone, two forwards, one forward
     decodelab-micro part=weights      # decode tok/s, TTFT: fp32/int8/int4 weights; transformers, llama.cpp
     decodelab-micro part=weights_quality  # int8 / int4 weights vs fp32, teacher-forced: ours and transformers + quanto
-                                          # (those two: experiments/micro_weights.py)
+    decodelab-micro part=step_profile     # one compiled decode step per weight type: projections (GB/s), attention,
+                                          # head, sampling, the rest; thread utilization; the roofline
+                                          # (those three: experiments/micro_weights.py)
     decodelab-micro part=spec_gamma   # speculative speedup vs gamma per drafter, measured and predicted
     decodelab-micro part=perplexity   # held-out perplexity, every weights x cache setup; transformers beside
     decodelab-micro -m preset=kivi-ablation  # a named sweep of these options (conf/preset/)
@@ -34,7 +36,7 @@ from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
-from decodelab.experiments.micro_weights import hf_quanto, weight_problems, weights, weights_quality
+from decodelab.experiments.micro_weights import hf_quanto, step_profile, weight_problems, weights, weights_quality
 from decodelab.experiments.plotting import quartile_fields
 from decodelab.experiments.report import markdown_table
 from decodelab.experiments.workloads import ShareGPT, long_conversations, synthetic_prompt
@@ -392,11 +394,12 @@ def _ppl_cache(cfg, name: str):
 
 PARTS = {"kv_speed": kv_speed, "kv_quality": kv_quality, "verify_cost": verify_cost, "kv_memory": kv_memory,
          "mixed_step": mixed_step, "weights": weights,
-         "weights_quality": weights_quality, "spec_gamma": spec_gamma, "perplexity": perplexity}
+         "weights_quality": weights_quality, "step_profile": step_profile, "spec_gamma": spec_gamma,
+         "perplexity": perplexity}
 #: the list options each part needs non-empty (those in INT_LISTS: of integers >= 1)
 LISTS = {"kv_speed": ("contexts", "backends"), "kv_memory": ("contexts", "backends"),
          "verify_cost": ("tokens", "impls"), "mixed_step": ("chunks", "backends"),
-         "weights": ("contexts", "weight_types"), "spec_gamma": ("gammas", "drafts")}
+         "weights": ("contexts", "weight_types"), "step_profile": ("contexts",), "spec_gamma": ("gammas", "drafts")}
 INT_LISTS = ("contexts", "tokens", "chunks", "gammas")
 
 
@@ -420,7 +423,7 @@ def check(cfg: DictConfig) -> None:
             p.append(f"kv_compile must be true or false, got {cfg.kv_compile!r}")
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
-    if cfg.part in ("weights", "weights_quality"):
+    if cfg.part in ("weights", "weights_quality", "step_profile"):
         p += weight_problems(cfg)
     if cfg.part == "perplexity":
         p += _perplexity_problems(cfg)

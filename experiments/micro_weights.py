@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -123,7 +124,8 @@ def weights(cfg, lm, hf) -> list[dict]:
     `ttft_vs_fp32` is the median over rounds and prompts of each system's TTFT over fp32's
     in the same round, with its quartiles. Compiled steps prefill eagerly: their TTFT is
     their eager row's."""
-    systems, runners, units, anchors = _weight_runners(cfg, lm, hf)
+    systems, runners, units, anchors, reads = _weight_runners(cfg, lm, hf)
+    bandwidth = harness.read_bandwidth(lm.model.device)  # before and after every context: one pool
     rows = []
     for ctx in cfg.contexts:
         prompts = [synthetic_prompt(lm, ctx, seed=i) for i in range(cfg.prompts_per_context)]
@@ -139,15 +141,54 @@ def weights(cfg, lm, hf) -> list[dict]:
                 q1, med, q3 = quartiles([a / b for a, b in zip(ttft[name], ttft["fp32"])])
                 row |= {"ttft_ms": 1e3 * statistics.median(ttft[name]), "ttft_vs_fp32": med,
                         "ttft_vs_fp32_p25": q1, "ttft_vs_fp32_p75": q3}
+            if name in reads:  # at the decode's mean context
+                row |= dict(zip(("weight_bytes", "kv_bytes"), reads[name](ctx + cfg.steps // 2)))
             rows.append(row)
-    return rows
+        bandwidth += harness.read_bandwidth(lm.model.device)
+    return [r | _roofline(r, bandwidth) for r in rows]
 
 
-def _weight_runners(cfg, lm, hf) -> tuple[dict, dict, dict, dict]:
+def _reads(lm, systems: dict, llama) -> dict:
+    """name -> f(context) -> (weight bytes, KV bytes) one decode step reads at that context:
+    ours and transformers' weights as stored (`Transformer.weight_read_bytes`; transformers'
+    fp32 model holds the same tensors) and a dense KV in the model's dtype; llama.cpp its
+    model's size as loaded (llama_model_size: the GGUF's tensors, the tied embedding read
+    whole by its head) and its default f16 KV, where llama-cpp-python says its size."""
+    from functools import partial
+
+    from decodelab.cache.dense import DenseCache
+
+    def ours(model):
+        return lambda ctx: (model.weight_read_bytes(1), make_cache(model, 1, 2).read_bytes(ctx))
+
+    reads = {name: ours(model) for name, (model, _) in systems.items()} | {"transformers-fp32": ours(lm.model)}
+    size = getattr(getattr(llama, "_model", None), "size", None)
+    if llama is not None and size is not None:
+        f16 = make_cache(lm.model, 1, 2, partial(DenseCache, kv_dtype="float16"))
+        reads[llama.system] = lambda ctx: (int(size()), f16.read_bytes(ctx))
+    return reads
+
+
+def _roofline(row: dict, bandwidth: list[float]) -> dict:
+    """A decode row's roofline (`bytes_per_token`: weights + KV as `_step_bytes` counts them;
+    `roofline_tok_s`: the machine's read bandwidth over it; `roofline_fraction`: the
+    measured decode rate over that), and the bandwidth with its quartiles: the median of
+    every `harness.read_bandwidth` sample of the run (before and after each context)."""
+    q1, bw, q3 = quartiles(bandwidth)
+    out = {"read_GBps": bw, "read_GBps_p25": q1, "read_GBps_p75": q3}
+    if row.get("decode_tok_s") is None or row.get("weight_bytes") is None:  # the control; llama.cpp unsized
+        return out
+    n = row["weight_bytes"] + row["kv_bytes"]
+    return out | {"bytes_per_token": n, "roofline_tok_s": bw * 1e9 / n,
+                  "roofline_fraction": row["decode_tok_s"] * n / (bw * 1e9)}
+
+
+def _weight_runners(cfg, lm, hf) -> tuple[dict, dict, dict, dict, dict]:
     """(systems: name -> (our model, compiled?); runners: name -> run(prompt ids, k) ->
     (k tokens, their times, compile s), ours and the anchors; TTFT units: each prefill
     path once (compiled steps prefill eagerly), fp32 twice; the unit of each vs_ column:
-    {"fp32", "transformers", "llama_cpp"} -> its runner's name, or None)."""
+    {"fp32", "transformers", "llama_cpp"} -> its runner's name, or None; the bytes each
+    decode step reads, `_reads`)."""
     from decodelab.decoding import generate, greedy
     from decodelab.models.reference import hf_generate_timed, llama_cpp_generate_timed
 
@@ -171,7 +212,7 @@ def _weight_runners(cfg, lm, hf) -> tuple[dict, dict, dict, dict]:
     units = {"fp32": units.pop("fp32"), "fp32 (control)": runners["fp32"], **units}
     anchors = {"fp32": "fp32", "transformers": "transformers-fp32" if hf is not None else None,
                "llama_cpp": llama.system if llama is not None else None}
-    return systems, runners, units, anchors
+    return systems, runners, units, anchors, _reads(lm, systems, llama)
 
 
 def _decode_rounds(cfg, runners: dict, prompts: list[list[int]]) -> tuple[dict, dict, dict]:
@@ -321,3 +362,182 @@ def weight_problems(cfg) -> list[str]:
     if cfg.part == "weights_quality" and not cfg.weight_types:
         p.append("weight_types must name at least one of int8, int4, int8+head, int4+head")
     return p
+
+
+# -- one compiled decode step, profiled --------------------------------------------------------
+#: profiler event names of a projection's product, and how each names (inputs, outputs)
+#: from its input shapes (x first; fp32 weights as [in, out], codes as [out, ...])
+PRODUCTS = {
+    "aten::mm": lambda s: (s[0][-1], s[1][-1]),
+    "aten::addmm": lambda s: (s[1][-1], s[2][-1]),
+    "decodelab::f32_mv": lambda s: (s[0][-1], s[1][-1]),
+    # (a batched step's products: the weight [in, out], or [out, in] for a tied head)
+    "decodelab::onednn_linear": lambda s: (s[0][-1], s[1][1] if s[1][0] == s[0][-1] else s[1][0]),
+    "decodelab::int8_mm": lambda s: (s[0][-1], s[1][0]),
+    "decodelab::int4_mm": lambda s: (s[0][-1], s[1][0]),
+    "aten::_weight_int8pack_mm": lambda s: (s[0][-1], s[1][0]),
+    "aten::_weight_int4pack_mm_for_cpu": lambda s: (s[0][-1], s[3][1]),
+}
+#: event names that attend over the cache (the native kernels, torch's attention)
+ATTENTION = ("decode_attention", "int4_decode_attention", "scaled_dot_product", "attention")
+#: event names of choosing the next token from the logits (greedy: argmax)
+SAMPLING = ("aten::argmax", "aten::multinomial", "aten::topk", "aten::softmax", "aten::_softmax")
+
+
+def projection_kinds(model) -> dict[tuple[int, int], dict]:
+    """(inputs, outputs) -> {"name": the projections of that shape ("head" for the LM
+    head's; several names joined with /), "bytes": what one decode step of them all reads
+    (`step_bytes` of a quantized one, its weight and bias of a plain one), "count"}."""
+    from decodelab.models.transformer import Proj
+
+    kinds: dict = {}
+
+    def add(name: str, shape: tuple[int, int], nbytes: int) -> None:
+        k = kinds.setdefault(shape, {"names": [], "bytes": 0, "count": 0})
+        k["names"] += [name] if name not in k["names"] else []
+        k["bytes"] += nbytes
+        k["count"] += 1
+
+    for mod_name, m in model.named_modules():
+        leaf = mod_name.rsplit(".", 1)[-1]
+        if hasattr(m, "step_bytes"):
+            add("head" if m is model.lm_head else leaf, (m.n_in, m.n_out), m.step_bytes())
+        elif isinstance(m, Proj):
+            w = m.weight  # [in, out]
+            extra = 0 if m.bias is None else m.bias.numel() * m.bias.element_size()
+            add("head" if m is model.lm_head else leaf, tuple(w.shape), w.numel() * w.element_size() + extra)
+    if model.lm_head is None:  # the tied head reads the embedding [V, D] whole
+        e = model.embed.weight
+        add("head", (e.shape[1], e.shape[0]), e.numel() * e.element_size())
+    return {s: {"name": "/".join(k["names"]), "bytes": k["bytes"], "count": k["count"]} for s, k in kinds.items()}
+
+
+def classify(events, kinds: dict) -> dict[str, dict]:
+    """Profiler events (torch.profiler, record_shapes) -> part name -> {"us": summed wall
+    time, "calls"}: each projection kind's products ("projection <name>"; one of an unknown
+    shape: "projection other"), "attention", "sampling". Events inside another counted one
+    are not counted again."""
+    parts: dict = {}
+    counted: set = set()
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        name = e.name
+        if name in PRODUCTS:
+            try:
+                shape = PRODUCTS[name](e.input_shapes)
+            except (IndexError, TypeError):
+                shape = None
+            part = "projection " + kinds[shape]["name"] if shape in kinds else "projection other"
+        elif name.startswith("decodelab::") and any(a in name for a in ATTENTION) or \
+                "scaled_dot_product" in name:
+            part = "attention"
+        elif name in SAMPLING:
+            part = "sampling"
+        else:
+            continue
+        p, inside = e.cpu_parent, False
+        while p is not None:
+            if id(p) in counted:
+                inside = True
+                break
+            p = p.cpu_parent
+        if inside:
+            continue
+        counted.add(id(e))
+        slot = parts.setdefault(part, {"us": 0.0, "calls": 0})
+        slot["us"] += e.cpu_time_total
+        slot["calls"] += 1
+    return parts
+
+
+def _thread_cpu_s() -> float:
+    """CPU seconds (user + system) every thread of this process has run so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+@torch.no_grad()
+def step_profile(cfg, lm, hf) -> list[dict]:
+    """Where one compiled batch-1 greedy decode step goes, per weight type (fp32 and each of
+    `weight_types`): after a synthetic prompt of `contexts[0]` tokens (a dense cache in the
+    model's dtype), `steps` steps timed plain (`step_ms`: their median, with quartiles;
+    `cpu_utilization`: CPU seconds of all threads over wall seconds x threads, a thread
+    spinning at a barrier counted busy), then `steps` more under torch.profiler, split into
+    each projection kind (its products' wall time per step, the bytes they read, GB/s),
+    attention, sampling (greedy's argmax) and the rest (the profiled step's wall time less
+    those: norms, RoPE, activations, residual adds, the wrapper), each as a share of the
+    profiled step. `repeats` such rounds; each part's median over rounds. The step's
+    roofline beside it (bytes it reads over the machine's read bandwidth, measured in the
+    run, `harness.read_bandwidth`)."""
+    from decodelab.decoding.compiled import compiled_step
+
+    ctx, n = cfg.contexts[0], cfg.steps
+    models = {"fp32": lm.model, **weight_models(cfg, lm)}
+    bandwidth = harness.read_bandwidth(lm.model.device)
+    prompt = synthetic_prompt(lm, ctx)
+    rows = []
+    for wname, model in models.items():
+        cache = make_cache(model, 1, ctx + (cfg.repeats + 1) * 2 * n + 2)
+        t0 = time.perf_counter()
+        step = compiled_step(model, cache)
+        compile_s = time.perf_counter() - t0
+        kinds = projection_kinds(model)
+        tok = prefill(model, cache, [prompt]).argmax(-1)
+        for _ in range(3):
+            tok = step.step(tok).argmax(-1)
+        plain, util, prof = [], [], []
+        for _ in range(cfg.repeats):
+            timer = harness.Timer(model.device)
+            c0, w0 = _thread_cpu_s(), time.perf_counter()
+            for _ in range(n):
+                with timer:
+                    tok = step.step(tok).argmax(-1)
+            util.append((_thread_cpu_s() - c0) / ((time.perf_counter() - w0) * torch.get_num_threads()))
+            plain += timer.seconds
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as p:
+                w0 = time.perf_counter()
+                for _ in range(n):
+                    tok = step.step(tok).argmax(-1)
+                wall = time.perf_counter() - w0
+            parts = classify(p.events(), kinds)
+            prof.append((wall / n * 1e6, {k: v["us"] / n for k, v in parts.items()},
+                         {k: v["calls"] / n for k, v in parts.items()}))
+        bandwidth += harness.read_bandwidth(lm.model.device)
+        rows += _profile_rows(wname, model, ctx, n, plain, util, prof, kinds, compile_s)
+        del step, cache
+    q1, bw, q3 = quartiles(bandwidth)
+    for r in rows:
+        r |= {"read_GBps": bw}
+        if r["part"] == "step":
+            r["roofline_fraction"] = r["bytes"] / (r["step_ms"] * 1e-3) / (bw * 1e9)
+        elif r.get("GBps") is not None:
+            r["fraction_of_read_bw"] = r["GBps"] / bw
+    return rows
+
+
+def _profile_rows(wname: str, model, ctx: int, n: int, plain: list[float], util: list[float], prof: list,
+                  kinds: dict, compile_s: float) -> list[dict]:
+    """One weight type's rows: the step (plain time, utilization, profiled time, bytes it
+    reads), then each part (median us per step over rounds, share of the profiled step,
+    calls per step, bytes and GB/s for a projection kind), then the rest."""
+    q1, med, q3 = quartiles([1e3 * s for s in plain])
+    step_us = statistics.median(p[0] for p in prof)
+    nbytes = model.weight_read_bytes(1) + make_cache(model, 1, 2).read_bytes(ctx + n)
+    rows = [{"weights": wname, "context": ctx, "part": "step", "step_ms": med, "step_ms_p25": q1, "step_ms_p75": q3,
+             "profiled_step_ms": step_us / 1e3, "cpu_utilization": statistics.median(util), "bytes": nbytes,
+             "GBps": nbytes / (med * 1e-3) / 1e9, "compile_s": compile_s}]
+    names = dict.fromkeys(k for p in prof for k in p[1])
+    by_bytes = {"projection " + k["name"]: k["bytes"] for k in kinds.values()}
+    known = 0.0
+    for part in sorted(names, key=lambda k: (not k.startswith("projection"), k)):
+        us = statistics.median(p[1].get(part, 0.0) for p in prof)
+        known += us
+        row = {"weights": wname, "context": ctx, "part": part, "us_per_step": us, "share": us / step_us,
+               "calls_per_step": statistics.median(p[2].get(part, 0.0) for p in prof)}
+        if part in by_bytes and us > 0:
+            row |= {"bytes": by_bytes[part], "GBps": by_bytes[part] / (us * 1e-6) / 1e9}
+        rows.append(row)
+    rows.append({"weights": wname, "context": ctx, "part": "rest", "us_per_step": step_us - known,
+                 "share": (step_us - known) / step_us})
+    return rows

@@ -376,6 +376,13 @@ class QuantProj(nn.Module):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.n_out)
         return y if self.bias is None else y + self.bias
 
+    def step_bytes(self) -> int:
+        """Bytes a one-row product reads: the codes and scales (and shifts) its kernel streams,
+        and the bias; not the plain-nibble copy torch's int4 path keeps for many-row products."""
+        read = [self.codes, *(getattr(self, n) for n in ("scales", "shifts", "scale_zeros") if hasattr(self, n))]
+        read += [] if self.bias is None else [self.bias]
+        return sum(t.numel() * t.element_size() for t in read)
+
     @property
     def max_kernel_rows(self) -> int:
         """The most rows this projection's kernel takes in eager code (more dequantize)."""

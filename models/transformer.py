@@ -433,6 +433,25 @@ class Transformer(nn.Module):
                 self._head_packed.get(self.embed.weight, out_in=True)
         return self
 
+    def weight_read_bytes(self, batch: int = 1) -> int:
+        """Weight bytes one decode step of `batch` rows must read, as stored: every parameter,
+        a quantized projection's codes and scales as its one-row kernel reads them
+        (`QuantProj.step_bytes`), and of the embedding `batch` rows, or all of it where the
+        head is the tied fp embedding (a quantized head reads its own codes). The
+        numerator of a batch-1 roofline: bytes per token over the memory bandwidth."""
+        total = 0
+        for m in self.modules():
+            step = getattr(m, "step_bytes", None)
+            if step is not None:
+                total += step()
+            elif m is self.embed:
+                e = m.weight
+                rows = e.shape[0] if self.lm_head is None else min(batch, e.shape[0])
+                total += rows * e.shape[1] * e.element_size()
+            else:
+                total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        return total
+
     def tied_head_t(self) -> torch.Tensor:
         """[D, V] contiguous copy of the tied embedding, for the CPU's faster layout
         (rebuilt whenever the embedding's storage, dtype or device changes). Traced by

@@ -184,6 +184,10 @@ def test_weights_decode_rate_is_the_median_of_its_timed_decodes_with_their_quart
     round, the 4 timed ones (repeats=4, one prompt) run at 50, 33.3, 25 and 100 tok/s (2
     intervals each): median 41.67, quartiles 31.25 and 62.5 (linear); the figure draws them."""
     paced(monkeypatch, 3, lambda model, dec, k: id(model) if k is None else 0.01 * (1 + k % 4))
+    from decodelab.experiments import harness
+
+    reads = iter([[8.0, 12.0], [10.0]])  # GB/s: before the context, after it
+    monkeypatch.setattr(harness, "read_bandwidth", lambda device: next(reads))
     rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=4", "prompts_per_context=1",
                  "weight_types=[int8]", "ttft_rounds=1", "weight_compile=false", "compare_transformers=false")
     by = {r["system"]: r for r in rows}
@@ -191,12 +195,63 @@ def test_weights_decode_rate_is_the_median_of_its_timed_decodes_with_their_quart
         r = by[name]
         spread = (r["decode_tok_s_p25"], r["decode_tok_s"], r["decode_tok_s_p75"])
         assert spread == pytest.approx((31.25, 125 / 3, 62.5))
+        assert (r["read_GBps_p25"], r["read_GBps"], r["read_GBps_p75"]) == (9.0, 10.0, 11.0)
     assert by["int8"]["vs_fp32"] == pytest.approx(1.0)
+    # the roofline: tiny-llama's fp32 weights (73,728 projection weights, the tied 49,152 x 64
+    # embedding read whole by the head, 320 norm weights) + fp32 K/V of 12 + 3 // 2 = 13 tokens
+    # (2 layers x K, V x 2 heads x 16 dims x 4 bytes each)
+    fp32 = by["fp32"]
+    assert (fp32["weight_bytes"], fp32["kv_bytes"]) == ((73_728 + 49_152 * 64 + 320) * 4, 13 * 2 * 2 * 2 * 16 * 4)
+    n = fp32["weight_bytes"] + fp32["kv_bytes"]
+    assert fp32["bytes_per_token"] == n and fp32["roofline_tok_s"] == pytest.approx(10e9 / n)
+    assert fp32["roofline_fraction"] == pytest.approx(125 / 3 * n / 10e9)
+    assert by["int8"]["weight_bytes"] < fp32["weight_bytes"] and by["int8"]["kv_bytes"] == fp32["kv_bytes"]
+    assert "roofline_fraction" not in by["fp32 (control)"]
     from decodelab.experiments.figures import weights_figure
 
     decode = weights_figure(load_runs(tmp_path)).panels[0]
     assert [v for s in decode.series for p in s.points for v in (p.y, p.lo, p.hi, p.n)] == pytest.approx(
         [125 / 3, 31.25, 62.5, 4] * 2)
+
+
+def test_step_profile_splits_a_compiled_step_by_part(tmp_path):
+    """Per weight type, the compiled step's profile: tiny-llama's 2 layers call each
+    projection kind twice a step (wqkv, wo, w_gate_up, w_down), the head, attention and
+    greedy's argmax once a layer / step; the parts and the rest add up to the profiled step;
+    each projection kind's bytes are what its modules' one-row kernels read (the step's
+    bytes: the weights as stored and the fp32 K/V of 12 + 2 tokens)."""
+    from decodelab.models.quantize import WeightOptions
+
+    rows = micro(tmp_path, "part=step_profile", "contexts=[12]", "steps=2", "repeats=1", "weight_types=[int4+head]")
+    for w in ("fp32", "int4+head"):
+        mine = {r["part"]: r for r in rows if r["weights"] == w}
+        assert set(mine) == {"step", "projection wqkv", "projection wo", "projection w_gate_up", "projection w_down",
+                             "projection head", "attention", "sampling", "rest"}
+        calls = {p: r["calls_per_step"] for p, r in mine.items() if "calls_per_step" in r}
+        assert calls == {"projection wqkv": 2, "projection wo": 2, "projection w_gate_up": 2, "projection w_down": 2,
+                         "projection head": 1, "attention": 2, "sampling": 1}
+        assert sum(r["share"] for p, r in mine.items() if p != "step") == pytest.approx(1.0)
+        step = mine["step"]
+        assert step["profiled_step_ms"] * 1e3 == pytest.approx(sum(r["us_per_step"] for p, r in mine.items()
+                                                                   if p != "step"))
+        assert 0 < step["cpu_utilization"] <= 1.05 and step["step_ms_p25"] <= step["step_ms"] <= step["step_ms_p75"]
+        for p, r in mine.items():
+            if p.startswith("projection"):
+                assert r["GBps"] == pytest.approx(r["bytes"] / (r["us_per_step"] * 1e-6) / 1e9)
+    fp32 = {r["part"]: r for r in rows if r["weights"] == "fp32"}
+    assert fp32["projection w_gate_up"]["bytes"] == 2 * 64 * 256 * 4
+    assert fp32["projection head"]["bytes"] == 49_152 * 64 * 4
+    assert fp32["step"]["bytes"] == (73_728 + 49_152 * 64 + 320) * 4 + 14 * 2 * 2 * 2 * 16 * 4
+    q = {r["part"]: r for r in rows if r["weights"] == "int4+head"}
+    from omegaconf import OmegaConf
+
+    from decodelab.models.loading import random_model
+
+    spec = OmegaConf.load(CONF_DIR / "model" / "tiny-llama.yaml")
+    tiny = random_model(spec.config, seed=spec.seed, device="cpu").model  # as micro builds it
+    int4 = WeightOptions("int4", quantize_head=True).apply(tiny)
+    assert q["projection head"]["bytes"] == int4.lm_head.step_bytes()
+    assert q["step"]["bytes"] == int4.weight_read_bytes(1) + 14 * 2 * 2 * 2 * 16 * 4
 
 
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):

@@ -321,3 +321,26 @@ def test_smollm2_int4_group_refused_before_its_weights_load(monkeypatch):
     monkeypatch.setattr(loading, "_plain_state", lambda *a: pytest.fail("the weights were loaded"))
     with pytest.raises(SetupError, match="model.weights.group_size=128 does not divide the input size 576"):
         loading.load("smollm2-135m", device="cpu", weights={"kind": "int4", "group_size": 128})
+
+
+@needs_native
+def test_the_bytes_a_decode_step_reads_by_hand(tiny_llama):
+    """The roofline's numerator (`Transformer.weight_read_bytes`) on the tiny llama (dim 64,
+    2 layers, q 64 -> 64, k and v -> 32, o 64 -> 64, gate and up -> 128, down 128 -> 64:
+    36,864 weights and 512 outputs a layer; tied 256 x 64 embedding; 320 norm weights):
+    int8 reads 1-byte codes and an fp32 scale per output, and the whole fp32 embedding as
+    its head; int4+head at group 32 half-byte codes and an fp32 scale and shift per group,
+    the head's too, and one embedding row."""
+    fp32 = tiny_llama.model
+    assert fp32.weight_read_bytes(1) == 90_432 * 4
+    int8 = WeightOptions("int8", kernel="native").apply(fp32)
+    assert int8.weight_read_bytes(1) == 2 * (36_864 + 512 * 4) + 256 * 64 * 4 + 320 * 4
+    int4 = WeightOptions("int4", 32, quantize_head=True, kernel="native").apply(fp32)
+    head = 256 * 64 // 2 + 256 * 64 // 32 * 8
+    assert int4.weight_read_bytes(1) == 2 * (36_864 // 2 + 36_864 // 32 * 8) + head + 64 * 4 + 320 * 4
+    assert int4.weight_read_bytes(3) == int4.weight_read_bytes(1) + 2 * 64 * 4  # a row of the embedding each
+    # torch's int4 path keeps a plain-nibble copy for many-row products: not read by a decode step
+    t4 = WeightOptions("int4", 32, kernel="torch").apply(fp32)
+    q = t4.layers[0].mlp.w_down
+    read = (q.codes, q.scale_zeros)
+    assert hasattr(q, "nibbles") and q.step_bytes() == sum(b.numel() * b.element_size() for b in read)
