@@ -4,11 +4,15 @@
 - `reference`: always `x @ W`, torch's own kernel (MKL on an x86 CPU);
 - `onednn`: products of 2 to `MAX_ROWS` (64) rows (a verify over gamma + 1 tokens, a
   decode step of a batch, a short prompt) use oneDNN's linear over a packed copy of the
-  weight (fp32 models on a CPU; autograd takes the reference); one-row products and
-  longer prefills stay on `x @ W`. Traced by torch.compile (a compiled step,
+  weight (fp32 models on a CPU; autograd takes the reference); longer prefills stay on
+  `x @ W`. Traced by torch.compile (a compiled step,
   decoding/compiled.py), the oneDNN product is one opaque call in the graph
   (`decodelab::onednn_linear`), where inductor would lower `x @ W` to MKL's sgemm
   (experiments/results/engine-compile);
+  One-row products (a batch-1 decode step, the tied head's too) take decodelab's native
+  `f32_mv` where its kernels serve (models/native.py): each thread streams a contiguous
+  block of the weight's rows, at up to twice MKL's gemv bandwidth (`decodelab-micro
+  part=step_profile`: SmolLM2's projections at 18-27 GB/s through MKL on a Zen 5, 2 threads);
 - `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
   else `reference`.
 
@@ -17,9 +21,10 @@ Decoding is memory-bound, so gamma + 1 rows should cost about what one row costs
 weights are read once either way. MKL's small-M sgemm on this project's CPU (AMD EPYC,
 AVX-512) does not get there: SmolLM2-135M's 3-row forward costs 1.8x a 1-row one and a
 5-row one 2.3x. oneDNN's packed linear streams the weights once for all rows: 1.1x
-(experiments/README.md, "CPU verify cost"). One-row products stay with MKL, whose gemv
-is faster there (the LM head: 4.6 ms against 7.0 ms); on other CPUs it is not
-(experiments/results/engine-compile).
+(experiments/README.md, "CPU verify cost"). One-row products do not take oneDNN, whose
+small-M path was slower than MKL's gemv there (the LM head: 7.0 ms against 4.6 ms); they
+take the native `f32_mv`, which streams the weight at about twice MKL's gemv bandwidth
+(experiments/results/roofline-s42).
 
 Cost: the packed copies hold the projection weights a second time, and a tied head's
 embedding too (made on first use, rebuilt when the weight changes). Results differ from
@@ -149,6 +154,32 @@ torch.library.custom_op("decodelab::onednn_linear", _onednn_linear, mutates_args
                         device_types="cpu").register_fake(_onednn_linear_fake)
 
 
+#: whether decodelab's native kernels serve here (models/native.py), asked once by
+#: `native_mv_ready` (from `Transformer.set_matmul`: the build, if any, at model load)
+_NATIVE_MV: list[bool] = []
+
+
+def native_mv_ready() -> bool:
+    """Whether one-row fp32 products can take the native `f32_mv` (built on first use; where
+    it cannot, said once on stderr and `x @ W` serves)."""
+    if not _NATIVE_MV:
+        from decodelab.models import native
+
+        _NATIVE_MV.append(native.problem() is None)
+        if not _NATIVE_MV[0]:
+            native.note_fallback("fp32 one-row products (decode steps)")
+    return _NATIVE_MV[0]
+
+
+def _takes_native_mv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    if not _NATIVE_MV and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        native_mv_ready()  # a projection used outside a model (its set_matmul asks first)
+    return (bool(_NATIVE_MV) and _NATIVE_MV[0] and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+            and w.is_contiguous() and w.shape[1] % 8 == 0 and not grad
+            and (b is None or b.dtype == torch.float32))
+
+
 def _takes_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     return 2 <= rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and not grad
@@ -164,6 +195,9 @@ def project(
 ) -> torch.Tensor:
     """y [..., out] = x @ W (+ b)."""
     rows = x.numel() // x.shape[-1]
+    if rows == 1 and impl == "onednn" and _takes_native_mv(x, w, b):
+        y = torch.ops.decodelab.f32_mv(x.reshape(1, x.shape[-1]), w, b)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if impl != "onednn" or not _takes_onednn(x, w, b, rows):
         y = x @ w
         return y if b is None else y + b

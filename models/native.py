@@ -15,7 +15,18 @@ own int8 here. These kernels stream the codes once per product and compute:
   (`vpmaddubsw`), scaled in fp32; the shifts meet the exact fp32 sums of x per group;
 - dequantization of either to fp32 (`int8_dequant`, `int4_dequant`; int4 also straight to
   bf16), for products of many rows (a prefill), which then multiply in fp32 or bf16
-  (models/quantize.py, `prefill_dtype`).
+  (models/quantize.py, `prefill_dtype`);
+- fp32 one-row products (`f32_mv`: a batch-1 decode step of an fp32 model, models/matmul.py):
+  each thread streams a contiguous block of the [in, out] weight's rows into its own sums,
+  then the sums are added in thread order; about twice the bandwidth of MKL's gemv here.
+
+The one-row int4 kernel has an AVX-512 VNNI form (`vpdpbusd`: two 32-channel blocks per
+instruction), chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and VNNI (Zen 4/5,
+Xeons since Cascade Lake), else the AVX2 one: the same integer sums and the same float
+operations lane by lane, so the two give bit-identical results (`torch.ops.decodelab.isa(0)`
+asks for the AVX2 form, `isa(1)` for VNNI where the CPU has it; tests compare them).
+The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute
+(`ROWS_AHEAD`) and keep their per-call buffers across calls (no allocation per product).
 
 Rows (the product's M) are independent: a row's result does not depend on how many rows
 share the call. Threads: OpenMP, linked against the libgomp torch itself loaded (one pool,
@@ -131,6 +142,8 @@ def _build() -> None:
     try:
         torch.ops.load_library(str(out))
         _library = out
+        torch.library.register_fake("decodelab::f32_mv")(
+            lambda x, w, bias=None: x.new_empty(x.shape[0], w.shape[1], dtype=torch.float32))
         torch.library.register_fake("decodelab::int8_mm")(
             lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int4_mm")(

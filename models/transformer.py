@@ -17,7 +17,7 @@ from torch import nn
 
 from decodelab.models.config import ModelConfig
 from decodelab.models.errors import SetupError, raise_if
-from decodelab.models.matmul import PackedWeight, impl_problems, project, resolve_impl, version_of
+from decodelab.models.matmul import PackedWeight, impl_problems, native_mv_ready, project, resolve_impl, version_of
 
 
 class RMSNorm(nn.Module):
@@ -412,6 +412,8 @@ class Transformer(nn.Module):
         """Every projection (and the tied head) computes with `impl` (models.matmul.IMPLS)."""
         raise_if(impl_problems(impl, self.dtype, self.device))
         self.matmul = resolve_impl(impl, self.dtype, self.device)
+        if self.matmul == "onednn":
+            native_mv_ready()  # one-row products on the native kernel: built now, not in a first decode step
         for m in self.modules():
             if isinstance(m, Proj):
                 m.matmul = self.matmul

@@ -11,6 +11,10 @@
 
 extern "C" {
 
+/* How many weight rows ahead the one-row kernels fetch (about 5-12 KB of SmolLM2's codes: far
+   enough to cover the memory's latency; 4 rows ahead ran 10-30% slower on a Zen 5) */
+#define ROWS_AHEAD 16
+
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -18,10 +22,16 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* The four sums of a, b, c, d's lanes. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
 #define CVT8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 
 /* y[M, N] = x[M, K] @ (w[N, K] * scale[N])^T; K % 8 == 0. Four output rows at a time,
-   two activation rows at a time; the next four rows are prefetched while these run. */
+   two activation rows at a time; four rows ROWS_AHEAD ahead are prefetched while these run. */
 void dl_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N) {
     int64_t nb = (N + 3) / 4;
     #pragma omp parallel for schedule(static)
@@ -31,7 +41,8 @@ void dl_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
         const int8_t* w1 = w0 + (R > 1 ? K : 0);
         const int8_t* w2 = w0 + (R > 2 ? 2 * K : 0);
         const int8_t* w3 = w0 + (R > 3 ? 3 * K : 0);
-        const char* next = (const char*)(b + 1 < nb ? w0 + 4 * K : w0);  /* the last block prefetches itself */
+        /* the four rows ROWS_AHEAD ahead (the last blocks prefetch themselves) */
+        const char* next = (const char*)(o0 + 4 + ROWS_AHEAD <= N ? w0 + ROWS_AHEAD * K : w0);
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) {
             const float* xa = x + m * K;
@@ -70,6 +81,105 @@ void dl_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
     }
 }
 
+/* Per-thread scratch that lives across calls (no allocation per product): slot `slot`'s buffer
+   of at least `bytes` bytes, 64-byte aligned, grown on demand; NULL when out of memory. Other
+   threads may read it through the pointer while its owner waits for them. */
+static void* scratch(int slot, size_t bytes) {
+    static __thread void* buf[4] = {NULL, NULL, NULL, NULL};
+    static __thread size_t cap[4] = {0, 0, 0, 0};
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        size_t n = (bytes + 63) / 64 * 64;
+        buf[slot] = aligned_alloc(64, n);
+        cap[slot] = buf[slot] ? n : 0;
+    }
+    return buf[slot];
+}
+
+/* acc[0, N) (+)= x[k0..k1) @ w[k0..k1, 0..N): the weight's rows read in order, four at a time
+   (four sequential streams, the sums in acc, in L1/L2); N % 8 == 0. `init`: acc is written
+   by the first four rows instead of added to. */
+static inline void f32_rows(const float* x, int64_t k0, int64_t k1, const float* w, int64_t N, float* acc,
+                            int init) {
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+        const float* w0 = w + k * N;
+        const float* w1 = w0 + N;
+        const float* w2 = w1 + N;
+        const float* w3 = w2 + N;
+        __m256 x0 = _mm256_set1_ps(x[k]), x1 = _mm256_set1_ps(x[k + 1]), x2 = _mm256_set1_ps(x[k + 2]),
+               x3 = _mm256_set1_ps(x[k + 3]);
+        int first = init && k == k0;
+        for (int64_t n = 0; n < N; n += 8) {
+            __m256 a = _mm256_mul_ps(x0, _mm256_loadu_ps(w0 + n));
+            __m256 b = _mm256_mul_ps(x1, _mm256_loadu_ps(w1 + n));
+            a = _mm256_fmadd_ps(x2, _mm256_loadu_ps(w2 + n), a);
+            b = _mm256_fmadd_ps(x3, _mm256_loadu_ps(w3 + n), b);
+            a = _mm256_add_ps(a, b);
+            _mm256_storeu_ps(acc + n, first ? a : _mm256_add_ps(_mm256_loadu_ps(acc + n), a));
+        }
+    }
+    for (; k < k1; k++) {
+        const float* w0 = w + k * N;
+        __m256 x0 = _mm256_set1_ps(x[k]);
+        int first = init && k == k0;
+        for (int64_t n = 0; n < N; n += 8) {
+            __m256 a = _mm256_mul_ps(x0, _mm256_loadu_ps(w0 + n));
+            _mm256_storeu_ps(acc + n, first ? a : _mm256_add_ps(_mm256_loadu_ps(acc + n), a));
+        }
+    }
+}
+
+/* y[N] = x[K] @ w[K, N] (+ bias): the one-row product of an fp32 projection stored [in, out]
+   (a decode step). Each thread streams a contiguous block of the weight's rows (K split
+   evenly in multiples of 4) into its own partial sums, then the partials are added in
+   thread order, each thread a slice of the columns; N % 8 == 0, K >= 1. The result depends
+   on the thread count (the split), never on the data. Returns 0, or -1 when out of memory. */
+int dl_f32_mv(const float* x, int64_t K, const float* w, int64_t N, const float* bias, float* y) {
+    int T = omp_get_max_threads();
+    if (T > K / 4) T = (int)(K / 4) > 0 ? (int)(K / 4) : 1;
+    int failed = 0;
+    float* parts[256];
+    if (T > 256) T = 256;
+    #pragma omp parallel num_threads(T)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t rows = (K / nt + 3) / 4 * 4;
+        int64_t k0 = t * rows < K ? t * rows : K, k1 = (t + 1) * rows < K ? (t + 1) * rows : K;
+        if (t == nt - 1) k1 = K;
+        float* acc = t == 0 ? y : (float*)scratch(0, (size_t)N * sizeof(float));
+        parts[t] = acc;
+        if (!acc) {
+            #pragma omp atomic write
+            failed = 1;
+        } else if (k1 > k0) {
+            f32_rows(x, k0, k1, w, N, acc, 1);
+        } else {
+            for (int64_t n = 0; n < N; n++) acc[n] = 0.f;
+        }
+        #pragma omp barrier
+        if (!failed) {
+            int64_t cols = (N / nt + 7) / 8 * 8;
+            int64_t c0 = t * cols < N ? t * cols : N, c1 = (t + 1) * cols < N ? (t + 1) * cols : N;
+            if (t == nt - 1) c1 = N;
+            for (int64_t n = c0; n < c1; n += 8) {
+                __m256 s = _mm256_loadu_ps(y + n);
+                for (int u = 1; u < nt; u++) s = _mm256_add_ps(s, _mm256_loadu_ps(parts[u] + n));
+                if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + n));
+                _mm256_storeu_ps(y + n, s);
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* r + the shifts' share of an int4 row, sum_j sh[j] * xs[j], in one order and one compiled
+   form (never inlined: every kernel, whatever its instruction set, adds it the same way). */
+static __attribute__((noinline)) float shift_dot(float r, const float* sh, const float* xs, int64_t G) {
+    for (int64_t j = 0; j < G; j++) r += sh[j] * xs[j];
+    return r;
+}
+
 /* One int4 output row against MC (1..4) activation rows, two 32-channel blocks per step. */
 static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const float* dx, const float* xs,
         int64_t m0, const int MC, int64_t K, const uint8_t* wr, const float* sc, const float* sh, int64_t G,
@@ -103,7 +213,7 @@ static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const
     for (int i = 0; i < MC; i++) {
         float r = hsum(_mm256_add_ps(acc[i], acc2[i]));
         const float* xr = xs + (m0 + i) * G;
-        for (int64_t j = 0; j < G; j++) r += sh[j] * xr[j];
+        r = shift_dot(r, sh, xr, G);
         y[(m0 + i) * N + o] = r;
     }
 }
@@ -117,9 +227,9 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t B = K / 32, H = K / 2;
-    /* the next four rows' codes, scales and shifts are fetched while these run (their own
-       line each two steps; the last block fetches itself) */
-    int64_t nx = o + 8 <= N ? o + 4 : o;
+    /* the codes, scales and shifts of the four rows ROWS_AHEAD ahead are fetched while these
+       run (their own line each two steps; the last blocks fetch themselves) */
+    int64_t nx = o + 4 + ROWS_AHEAD <= N ? o + ROWS_AHEAD : o;
     const char* pn = (const char*)(nib + nx * H);
     const char* ps = (const char*)(scale + nx * G);
     const char* pt = (const char*)(shift + nx * G);
@@ -152,7 +262,73 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
     for (int r = 0; r < 4; r++) {
         float v = hsum(_mm256_add_ps(acc[r], acc2[r]));
         const float* sh = shift + (o + r) * G;
-        for (int64_t j = 0; j < G; j++) v += sh[j] * xs[j];
+        v = shift_dot(v, sh, xs, G);
+        y[o + r] = v;
+    }
+}
+
+/* The instruction set the kernels that have a choice use: 0 = AVX2 (every CPU these kernels
+   build for), 1 = AVX-512 with VNNI (Zen 4/5, Xeons since Cascade Lake), where the CPU has
+   it. `set` >= 0 asks for that level (capped at what the CPU has; tests compare the two);
+   returns the level in use. The two compute bit-identical results. */
+int dl_isa(int set) {
+    static int have = -1, use = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+        use = have;
+    }
+    if (set >= 0) use = set < have ? set : have;
+    return use;
+}
+
+#define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+/* q4_rows4 with AVX-512 VNNI: two 32-channel blocks per 512-bit step, their 64 codes
+   unpacked at once (each 128-bit lane a half block: low nibbles, high nibbles) and dotted
+   with the activation codes by vpdpbusd. The integer sums per lane (4 channels each) are
+   q4_rows4's, and so is the float arithmetic lane by lane (block b in lanes 0-7, b + 1 in
+   8-15, as acc and acc2): the results are bit-identical to the AVX2 kernel's. */
+static VNNI void q4_rows4_vnni(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* nib,
+                               const float* scale, const float* shift, int64_t G, int64_t bpg, float* y, int64_t o,
+                               int64_t N) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i nibble = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);  /* lanes 1, 3: the high nibbles */
+    int64_t B = K / 32, H = K / 2;
+    int64_t nx = o + 4 + ROWS_AHEAD <= N ? o + ROWS_AHEAD : o;
+    const char* pn = (const char*)(nib + nx * H);
+    const char* ps = (const char*)(scale + nx * G);
+    const char* pt = (const char*)(shift + nx * G);
+    int64_t sb = 4 * G * (int64_t)sizeof(float);
+    const uint8_t* w[4] = {nib + o * H, nib + (o + 1) * H, nib + (o + 2) * H, nib + (o + 3) * H};
+    const float* sc[4] = {scale + o * G, scale + (o + 1) * G, scale + (o + 2) * G, scale + (o + 3) * G};
+    __m512 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    int same = bpg % 2 == 0;  /* both blocks of a step in one group: one scale */
+    for (int64_t b = 0; b < B; b += 2) {
+        if ((b & 3) == 0) {
+            for (int r = 0; r < 4; r++) _mm_prefetch(pn + r * H + b * 16, _MM_HINT_T0);
+            int64_t at = b / 4 * 64;
+            if (at < sb) { _mm_prefetch(ps + at, _MM_HINT_T0); _mm_prefetch(pt + at, _MM_HINT_T0); }
+        }
+        __m512i xv = _mm512_loadu_si512((const void*)(xq + b * 32));
+        __m512 d = _mm512_insertf32x8(_mm512_set1_ps(dx[b]), _mm256_set1_ps(dx[b + 1]), 1);
+        int64_t j = b / bpg, j2 = (b + 1) / bpg;
+        for (int r = 0; r < 4; r++) {
+            __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w[r] + b * 16)));
+            __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(v, v, 0x50), nibble), mask);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
+            __m512 s = same ? _mm512_set1_ps(sc[r][j])
+                            : _mm512_insertf32x8(_mm512_set1_ps(sc[r][j]), _mm256_set1_ps(sc[r][j2]), 1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, d), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float v = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+        const float* sh = shift + (o + r) * G;
+        v = shift_dot(v, sh, xs, G);
         y[o + r] = v;
     }
 }
@@ -195,18 +371,25 @@ static inline void q8_row(const float* p, int64_t K, int64_t g, int8_t* xq, floa
 int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const float* scale, const float* shift,
                int64_t g, float* y, int64_t N) {
     int64_t G = K / g, B = K / 32, bpg = g / 32;
-    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
-    float* dx = (float*)malloc(sizeof(float) * (size_t)(M * B));
-    float* xs = (float*)malloc(sizeof(float) * (size_t)(M * G));
-    if (!xq || !dx || !xs) { free(xq); free(dx); free(xs); return -1; }
+    /* the activation codes, block scales and group sums: the calling thread's scratch */
+    size_t qb = (size_t)(M * K + 63) / 64 * 64, db = sizeof(float) * (size_t)(M * B);
+    char* buf = (char*)scratch(1, qb + db + sizeof(float) * (size_t)(M * G));
+    if (!buf) return -1;
+    int8_t* xq = (int8_t*)buf;
+    float* dx = (float*)(buf + qb);
+    float* xs = (float*)(buf + qb + db);
     for (int64_t m = 0; m < M; m++) q8_row(x + m * K, K, g, xq + m * K, dx + m * B, xs + m * G);
     if (M == 1) {  /* a decode step: four output rows at a time, the rest one by one */
         int64_t N4 = N / 4 * 4;
-        #pragma omp parallel for schedule(static)
-        for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o, N4);
+        if (dl_isa(-1) >= 1) {
+            #pragma omp parallel for schedule(static)
+            for (int64_t o = 0; o < N4; o += 4) q4_rows4_vnni(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o, N4);
+        } else {
+            #pragma omp parallel for schedule(static)
+            for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o, N4);
+        }
         for (int64_t o = N4; o < N; o++)
             q4_row(xq, dx, xs, 0, 1, K, nib + o * (K / 2), scale + o * G, shift + o * G, G, bpg, y, N, o);
-        free(xq); free(dx); free(xs);
         return 0;
     }
     #pragma omp parallel for schedule(static)
@@ -222,7 +405,6 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
             case 3: q4_row(xq, dx, xs, m0, 3, K, wr, sc, sh, G, bpg, y, N, o); break;
         }
     }
-    free(xq); free(dx); free(xs);
     return 0;
 }
 
@@ -317,26 +499,75 @@ static inline __attribute__((always_inline)) void decode_item(const int KIND, co
         float* pr) {
     /* a position of no block (-1) reads block 0, as the gather does: past the row's length */
 #define DL_SLOT(s) (tb ? ((tb[(s) / bs] > 0 ? tb[(s) / bs] : 0) * bs + (s) % bs) * D : (s) * D)
-    for (int64_t s = c0; s < c1; s++) {
+    /* scores, four slots at a time (four independent sums per query head, one hadd tree) */
+    int64_t s = c0;
+    const int64_t esize = KIND == 0 ? 4 : KIND == 3 ? 1 : 2, row = D * esize;
+    for (; s + 4 <= c1; s += 4) {
+        int64_t a0 = DL_SLOT(s), a1 = DL_SLOT(s + 1), a2 = DL_SLOT(s + 2), a3 = DL_SLOT(s + 3);
+        /* two streams in flight: the keys 16 slots ahead, and these slots' values (the value
+           pass below then reads them from cache) */
+        for (int r = 0; r < 4; r++) {
+            const char* kp = s + 16 + r < c1 ? (const char*)kh + DL_SLOT(s + 16 + r) * esize : NULL;
+            const char* vp = (const char*)vh + (r == 0 ? a0 : r == 1 ? a1 : r == 2 ? a2 : a3) * esize;
+            for (int64_t off = 0; off < row; off += 64) {
+                if (kp) _mm_prefetch(kp + off, _MM_HINT_T0);
+                _mm_prefetch(vp + off, _MM_HINT_T0);
+            }
+        }
+        for (int64_t j = 0; j < g; j++) {
+            const float* qr = q + ((b * Hq + hk * g + j) * T + t) * D;
+            __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0;
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(qr + d);
+                x0 = _mm256_fmadd_ps(qv, kv8(kh, a0 + d, KIND), x0);
+                x1 = _mm256_fmadd_ps(qv, kv8(kh, a1 + d, KIND), x1);
+                x2 = _mm256_fmadd_ps(qv, kv8(kh, a2 + d, KIND), x2);
+                x3 = _mm256_fmadd_ps(qv, kv8(kh, a3 + d, KIND), x3);
+            }
+            _mm_storeu_ps(sc + j * span + (s - c0), _mm_mul_ps(hsum4(x0, x1, x2, x3), _mm_set1_ps(scale)));
+        }
+    }
+    for (; s < c1; s++) {
         int64_t at = DL_SLOT(s);
         for (int64_t j = 0; j < g; j++) {
             const float* qr = q + ((b * Hq + hk * g + j) * T + t) * D;
             __m256 a = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
                 a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), kv8(kh, at + d, KIND), a);
-            float x = hsum(a) * scale;
-            sc[j * span + (s - c0)] = x;
-            if (x > pr[j * (D + 2)]) pr[j * (D + 2)] = x;
+            sc[j * span + (s - c0)] = hsum(a) * scale;
         }
     }
-    for (int64_t j = 0; j < g; j++) pr[j * (D + 2) + 1] = exp_sum(sc + j * span, c1 - c0, pr[j * (D + 2)]);
-    for (int64_t s = c0; s < c1; s++) {
-        int64_t at = DL_SLOT(s);
-        for (int64_t j = 0; j < g; j++) {
-            float* o = pr + j * (D + 2) + 2;
-            __m256 w = _mm256_set1_ps(sc[j * span + (s - c0)] * vscale);
-            for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, kv8(vh, at + d, KIND), _mm256_loadu_ps(o + d)));
+    int64_t n = c1 - c0;
+    for (int64_t j = 0; j < g; j++) {
+        const float* e = sc + j * span;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(e + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (; i < n; i++) mx = e[i] > mx ? e[i] : mx;
+        pr[j * (D + 2)] = mx;
+        pr[j * (D + 2) + 1] = exp_sum(sc + j * span, n, mx);
+    }
+    /* values: per query head, 64 output dims held in registers across the slots */
+    for (int64_t j = 0; j < g; j++) {
+        float* o = pr + j * (D + 2) + 2;
+        const float* w = sc + j * span;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            int64_t nd = D - d0 < 64 ? (D - d0) / 8 : 8;
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int64_t s2 = c0; s2 < c1; s2++) {
+                int64_t at = DL_SLOT(s2) + d0;
+                __m256 wv = _mm256_set1_ps(w[s2 - c0] * vscale);
+                if (nd == 8) {
+                    for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(wv, kv8(vh, at + 8 * u, KIND), acc[u]);
+                } else {
+                    for (int u = 0; u < nd; u++) acc[u] = _mm256_fmadd_ps(wv, kv8(vh, at + 8 * u, KIND), acc[u]);
+                }
+            }
+            for (int u = 0; u < nd; u++) _mm256_storeu_ps(o + d0 + 8 * u, acc[u]);
         }
     }
 #undef DL_SLOT
@@ -431,12 +662,6 @@ static inline __m256 nib8(const uint8_t* p, int hi) {
     __m128i v = _mm_loadl_epi64((const __m128i*)p);
     if (hi) v = _mm_srli_epi16(v, 4);
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F))));
-}
-
-/* The four sums of a, b, c, d's lanes. */
-static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
 }
 
 /* Scores of JN (1..4) query heads against the two tokens of byte row `row` of a key group

@@ -7,6 +7,8 @@
 
 extern "C" {
 void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, float*, int64_t);
+int dl_f32_mv(const float*, int64_t, const float*, int64_t, const float*, float*);
+int dl_isa(int);
 int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
 int dl_decode_attn(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
@@ -42,6 +44,29 @@ static void check_groups(const at::Tensor& nib, const at::Tensor& sc, const at::
                 " must be a multiple of 32 dividing ", k);
     TORCH_CHECK(sc.numel() == nib.size(0) * (k / g) && sh.numel() == sc.numel(),
                 "decodelab native int4 kernel: scales and shifts must hold [", nib.size(0), ", ", k / g, "]");
+}
+
+/* The instruction set of the kernels that have a choice (0: AVX2, 1: AVX-512 VNNI); `set` >= 0
+   asks for one (capped at what the CPU has). Returns the level in use. */
+int64_t isa(int64_t set) { return dl_isa((int)set); }
+
+/* x [1, K] @ w [K, N] (+ bias [N]), fp32, N % 8 == 0: an fp32 projection's decode product. */
+at::Tensor f32_mv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.device().is_cpu(),
+                "decodelab native f32_mv: w must be a contiguous 2-D float32 CPU tensor [in, out]");
+    TORCH_CHECK(w.size(1) % 8 == 0, "decodelab native f32_mv: outputs must be a multiple of 8, got ", w.size(1));
+    auto xc = rows_f32(x, w.size(0));
+    TORCH_CHECK(xc.size(0) == 1, "decodelab native f32_mv: one row, got ", xc.size(0));
+    at::Tensor b;
+    if (bias.has_value() && bias->defined()) {
+        b = f32(*bias);
+        TORCH_CHECK(b.numel() == w.size(1), "decodelab native f32_mv: bias must have ", w.size(1), " values");
+    }
+    auto y = at::empty({1, w.size(1)}, xc.options());
+    int rc = dl_f32_mv(xc.data_ptr<float>(), w.size(0), w.data_ptr<float>(), w.size(1),
+                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
+    TORCH_CHECK(rc == 0, "decodelab native f32_mv: out of memory for the partial sums");
+    return y;
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
@@ -263,6 +288,8 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
 
 TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+    m.def("f32_mv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+    m.def("isa(int set=-1) -> int");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
     m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window, "
@@ -276,8 +303,13 @@ TORCH_LIBRARY(decodelab, m) {
           "int key_group, int value_group) -> Tensor");
 }
 
+TORCH_LIBRARY_IMPL(decodelab, CompositeExplicitAutograd, m) {
+    m.impl("isa", &isa);
+}
+
 TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int8_mm", &int8_mm);
+    m.impl("f32_mv", &f32_mv);
     m.impl("int4_mm", &int4_mm);
     m.impl("int8_dequant", &int8_dequant);
     m.impl("decode_attention", &decode_attention);
