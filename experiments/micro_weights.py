@@ -145,7 +145,36 @@ def weights(cfg, lm, hf) -> list[dict]:
                 row |= dict(zip(("weight_bytes", "kv_bytes"), reads[name](ctx + cfg.steps // 2)))
             rows.append(row)
         bandwidth += harness.read_bandwidth(lm.model.device)
-    return [r | _roofline(r, bandwidth) for r in rows]
+    same = _same_text(cfg, lm, systems) if cfg.text_prompts and cfg.weight_compile else {}
+    return [r | _roofline(r, bandwidth) | same.get(r["system"], {}) for r in rows]
+
+
+@torch.no_grad()
+def _same_text(cfg, lm, systems: dict) -> dict:
+    """Each compiled system's greedy text against its own weights' eager text on
+    `text_prompts` ShareGPT prompts (the gamma experiment's: seed 0, at most 384 prompt
+    tokens, chat template), `text_tokens` new tokens each: name -> {"same_text_as_eager":
+    "k/n" prompts token-identical, "text_first_difference_median"}. One cache capacity for
+    every prompt (the longest, rounded as compiled steps round it): one compile per system."""
+    from decodelab.decoding import generate, greedy
+    from decodelab.decoding.text import compiled_capacity
+
+    n = cfg.text_tokens
+    reqs = ShareGPT(cfg.text_prompts, 0, max_prompt_tokens=384)(lm)
+    prompts = [lm.tokenizer.encode(r.prompt, chat=True) for r in reqs]
+    out = {}
+    for name, (model, compiled) in systems.items():
+        if not compiled:
+            continue
+        cap = compiled_capacity(model, 1, max(map(len, prompts)) + n + 1)
+        first = []
+        for p in prompts:
+            eager = generate(model, make_cache(model, 1, len(p) + n + 1), greedy(), [p], n).tokens[0]
+            comp = generate(model, make_cache(model, 1, cap), greedy(), [p], n, compile=True).tokens[0]
+            first.append(next((j for j, (a, b) in enumerate(zip(eager, comp)) if a != b), n))
+        out[name] = {"same_text_as_eager": f"{sum(f == n for f in first)}/{len(first)}",
+                     "text_first_difference_median": statistics.median(first)}
+    return out
 
 
 def _reads(lm, systems: dict, llama) -> dict:
@@ -354,7 +383,7 @@ def weight_problems(cfg) -> list[str]:
         p.append(f"weight_prefill_dtypes names a dtype twice: {list(cfg.weight_prefill_dtypes)}")
     if not list(cfg.weight_prefill_dtypes):
         p.append("weight_prefill_dtypes must name at least one of auto, float32, bfloat16")
-    p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2})
+    p += harness.int_problems(cfg, {"prompts_per_context": 1, "steps": 2, "text_prompts": 0, "text_tokens": 1})
     if cfg.part == "weights" and not isinstance(cfg.weight_compile, bool):
         p.append(f"weight_compile must be true or false, got {cfg.weight_compile!r}")
     if cfg.part == "weights":

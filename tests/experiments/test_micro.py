@@ -189,7 +189,8 @@ def test_weights_decode_rate_is_the_median_of_its_timed_decodes_with_their_quart
     reads = iter([[8.0, 12.0], [10.0]])  # GB/s: before the context, after it
     monkeypatch.setattr(harness, "read_bandwidth", lambda device: next(reads))
     rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=4", "prompts_per_context=1",
-                 "weight_types=[int8]", "ttft_rounds=1", "weight_compile=false", "compare_transformers=false")
+                 "weight_types=[int8]", "ttft_rounds=1", "weight_compile=false", "compare_transformers=false",
+                 "text_prompts=0")
     by = {r["system"]: r for r in rows}
     for name in ("fp32", "int8"):
         r = by[name]
@@ -257,7 +258,7 @@ def test_step_profile_splits_a_compiled_step_by_part(tmp_path):
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["decodelab.decoding.runner"], "BACKEND", "eager")  # fast to build
     rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=2",
-                 "weight_types=[int8,int4+head]", "ttft_rounds=3")
+                 "weight_types=[int8,int4+head]", "ttft_rounds=3", "text_prompts=2", "text_tokens=8")
     assert [r["system"] for r in rows] == ["fp32", "fp32 compiled", "int8", "int8 compiled", "int4+head",
                                            "int4+head compiled", "transformers-fp32", "fp32 (control)"]
     by = {r["system"]: r for r in rows}
@@ -278,6 +279,9 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     assert fp32["identical_to_fp32"] == "2/2" and hf["identical_to_fp32"] == "2/2"  # transformers' greedy = ours
     assert by["fp32 compiled"]["identical_to_fp32"] == "2/2"  # the compiled step decodes the same tokens
     assert by["int8 compiled"]["identical_to_fp32"] == by["int8"]["identical_to_fp32"]
+    # every compiled step writes its eager path's text on ShareGPT prompts (the gamma experiment's)
+    assert [(r["system"], r["same_text_as_eager"], r["text_first_difference_median"]) for r in rows
+            if "same_text_as_eager" in r] == [(f"{w} compiled", "2/2", 8) for w in ("fp32", "int8", "int4+head")]
     assert all((r["compile_s"] > 0) == r["system"].endswith("compiled") for r in by.values() if r is not hf)
     import decodelab.models.loading as loading
 
@@ -292,8 +296,9 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     with pytest.raises(SetupError, match="compare_llama_cpp must be auto, true or false, got 0"):
         micro(tmp_path, "part=weights", "compare_llama_cpp=0")
     with pytest.raises(SetupError) as e:
-        micro(tmp_path, "part=weights", "ttft_rounds=0", "compare_llama_cpp=maybe")
+        micro(tmp_path, "part=weights", "ttft_rounds=0", "compare_llama_cpp=maybe", "text_prompts=-1")
     assert "ttft_rounds must be an integer >= 1, got 0" in str(e.value)
+    assert "text_prompts must be an integer >= 0, got -1" in str(e.value)
     assert "compare_llama_cpp must be auto, true or false, got 'maybe'" in str(e.value)
     reference = sys.modules["decodelab.models.reference"]
     monkeypatch.setattr(reference, "llama_cpp_available", lambda: False)
