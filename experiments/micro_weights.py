@@ -199,7 +199,7 @@ def _reads(lm, systems: dict, llama) -> dict:
 
 
 def _roofline(row: dict, bandwidth: list[float]) -> dict:
-    """A decode row's roofline (`bytes_per_token`: weights + KV as `_step_bytes` counts them;
+    """A decode row's roofline (`bytes_per_token`: weights + KV as `_reads` counts them;
     `roofline_tok_s`: the machine's read bandwidth over it; `roofline_fraction`: the
     measured decode rate over that), and the bandwidth with its quartiles: the median of
     every `harness.read_bandwidth` sample of the run (before and after each context)."""
@@ -448,7 +448,7 @@ def classify(events, kinds: dict) -> dict[str, dict]:
     are not counted again."""
     parts: dict = {}
     counted: set = set()
-    for e in sorted(events, key=lambda e: e.time_range.start):
+    for e in sorted(events, key=lambda e: (e.time_range.start, -e.time_range.end)):  # a parent before its children
         name = e.name
         if name in PRODUCTS:
             try:

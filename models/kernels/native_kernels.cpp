@@ -87,6 +87,7 @@ void dl_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
 static void* scratch(int slot, size_t bytes) {
     static __thread void* buf[4] = {NULL, NULL, NULL, NULL};
     static __thread size_t cap[4] = {0, 0, 0, 0};
+    if (bytes == 0) bytes = 64;  /* an empty product still gets a buffer (NULL means out of memory) */
     if (bytes > cap[slot]) {
         free(buf[slot]);
         size_t n = (bytes + 63) / 64 * 64;
@@ -271,17 +272,22 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
    build for), 1 = AVX-512 with VNNI (Zen 4/5, Xeons since Cascade Lake), where the CPU has
    it. `set` >= 0 asks for that level (capped at what the CPU has; tests compare the two);
    returns the level in use. The two compute bit-identical results. */
+static int isa_have(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+}
+
+static int isa_use = -1;  /* set when the library loads (below), before any kernel runs */
+
+__attribute__((constructor)) static void isa_init(void) { isa_use = isa_have(); }
+
 int dl_isa(int set) {
-    static int have = -1, use = -1;
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512vnni") ? 1 : 0;
-        use = have;
-    }
-    if (set >= 0) use = set < have ? set : have;
-    return use;
+    static int have = -1;
+    if (have < 0) have = isa_have();
+    if (set >= 0) isa_use = set < have ? set : have;
+    return isa_use;
 }
 
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))

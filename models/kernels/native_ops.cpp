@@ -63,6 +63,7 @@ at::Tensor f32_mv(const at::Tensor& x, const at::Tensor& w, const c10::optional<
         TORCH_CHECK(b.numel() == w.size(1), "decodelab native f32_mv: bias must have ", w.size(1), " values");
     }
     auto y = at::empty({1, w.size(1)}, xc.options());
+    if (w.size(1) == 0) return y;
     int rc = dl_f32_mv(xc.data_ptr<float>(), w.size(0), w.data_ptr<float>(), w.size(1),
                        b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
     TORCH_CHECK(rc == 0, "decodelab native f32_mv: out of memory for the partial sums");
@@ -75,6 +76,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     auto xc = rows_f32(x, codes.size(1));
     auto sc = f32(scales);
     auto y = at::empty({xc.size(0), codes.size(0)}, xc.options());
+    if (y.numel() == 0) return y;
     dl_int8_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), codes.data_ptr<int8_t>(), sc.data_ptr<float>(),
                y.data_ptr<float>(), codes.size(0));
     return y;
@@ -87,6 +89,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nib, const at::Tensor&
     auto xc = rows_f32(x, nib.size(1) * 2);
     auto sc = f32(scales), sh = f32(shifts);
     auto y = at::empty({xc.size(0), nib.size(0)}, xc.options());
+    if (y.numel() == 0) return y;
     int rc = dl_int4_mm(xc.data_ptr<float>(), xc.size(0), xc.size(1), nib.data_ptr<uint8_t>(),
                         sc.data_ptr<float>(), sh.data_ptr<float>(), g, y.data_ptr<float>(), nib.size(0));
     TORCH_CHECK(rc == 0, "decodelab native int4 kernel: out of memory for the activation codes");

@@ -77,3 +77,12 @@ def test_int4_vnni_is_bit_identical_to_avx2(k, n, group):
     vnni = p(x[:1])
     assert torch.ops.decodelab.isa(-1) == 1
     assert torch.equal(vnni, avx2) and torch.equal(vnni, many)
+
+
+def test_empty_products_are_empty():
+    """No rows, or no outputs: an empty result, not an out-of-memory error."""
+    assert torch.ops.decodelab.f32_mv(torch.randn(1, 16), torch.randn(16, 0)).shape == (1, 0)
+    p = QuantProj(torch.randn(64, 16), None, WeightOptions("int4", 32, kernel="native"))
+    assert torch.ops.decodelab.int4_mm(torch.randn(0, 64), p.codes, p.scales, p.shifts, 32).shape == (0, 16)
+    p8 = QuantProj(torch.randn(64, 16), None, WeightOptions("int8", kernel="native"))
+    assert torch.ops.decodelab.int8_mm(torch.randn(0, 64), p8.codes, p8.scales).shape == (0, 16)
