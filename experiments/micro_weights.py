@@ -177,6 +177,12 @@ def _same_text(cfg, lm, systems: dict) -> dict:
     return out
 
 
+def step_bytes(model, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a batch-1 decode step of `model` reads at `context` tokens:
+    its weights as stored (`Transformer.weight_read_bytes`) and a dense KV in its dtype."""
+    return model.weight_read_bytes(1), make_cache(model, 1, 2).read_bytes(context)
+
+
 def _reads(lm, systems: dict, llama) -> dict:
     """name -> f(context) -> (weight bytes, KV bytes) one decode step reads at that context:
     ours and transformers' weights as stored (`Transformer.weight_read_bytes`; transformers'
@@ -188,7 +194,7 @@ def _reads(lm, systems: dict, llama) -> dict:
     from decodelab.cache.dense import DenseCache
 
     def ours(model):
-        return lambda ctx: (model.weight_read_bytes(1), make_cache(model, 1, 2).read_bytes(ctx))
+        return lambda ctx: step_bytes(model, ctx)
 
     reads = {name: ours(model) for name, (model, _) in systems.items()} | {"transformers-fp32": ours(lm.model)}
     size = getattr(getattr(llama, "_model", None), "size", None)
@@ -552,7 +558,7 @@ def _profile_rows(wname: str, model, ctx: int, n: int, plain: list[float], util:
     calls per step, bytes and GB/s for a projection kind), then the rest."""
     q1, med, q3 = quartiles([1e3 * s for s in plain])
     step_us = statistics.median(p[0] for p in prof)
-    nbytes = model.weight_read_bytes(1) + make_cache(model, 1, 2).read_bytes(ctx + n)
+    nbytes = sum(step_bytes(model, ctx + n))
     rows = [{"weights": wname, "context": ctx, "part": "step", "step_ms": med, "step_ms_p25": q1, "step_ms_p75": q3,
              "profiled_step_ms": step_us / 1e3, "cpu_utilization": statistics.median(util), "bytes": nbytes,
              "GBps": nbytes / (med * 1e-3) / 1e9, "compile_s": compile_s}]

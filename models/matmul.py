@@ -11,8 +11,8 @@
   (experiments/results/engine-compile);
   One-row products (a batch-1 decode step, the tied head's too) take decodelab's native
   `f32_mv` where its kernels serve (models/native.py): each thread streams a contiguous
-  block of the weight's rows, at up to twice MKL's gemv bandwidth (`decodelab-micro
-  part=step_profile`: SmolLM2's projections at 18-27 GB/s through MKL on a Zen 5, 2 threads);
+  block of the weight's rows into its own sums, added in thread order (results depend on
+  the thread count, not on the data);
 - `auto`: `onednn` where it serves (a torch built with oneDNN, an fp32 model on a CPU),
   else `reference`.
 
@@ -23,8 +23,8 @@ AVX-512) does not get there: SmolLM2-135M's 3-row forward costs 1.8x a 1-row one
 5-row one 2.3x. oneDNN's packed linear streams the weights once for all rows: 1.1x
 (experiments/README.md, "CPU verify cost"). One-row products do not take oneDNN, whose
 small-M path was slower than MKL's gemv there (the LM head: 7.0 ms against 4.6 ms); they
-take the native `f32_mv`, which streams the weight at about twice MKL's gemv bandwidth
-(experiments/results/roofline-s42).
+take the native `f32_mv`, which reads the weight as one contiguous stream per thread
+(its bandwidth against MKL's: experiments/README.md, "Batch-1 decode at the memory roofline").
 
 Cost: the packed copies hold the projection weights a second time, and a tied head's
 embedding too (made on first use, rebuilt when the weight changes). Results differ from

@@ -18,7 +18,7 @@ own int8 here. These kernels stream the codes once per product and compute:
   (models/quantize.py, `prefill_dtype`);
 - fp32 one-row products (`f32_mv`: a batch-1 decode step of an fp32 model, models/matmul.py):
   each thread streams a contiguous block of the [in, out] weight's rows into its own sums,
-  then the sums are added in thread order; about twice the bandwidth of MKL's gemv here.
+  then the sums are added in thread order (so they depend on the thread count).
 
 The one-row int4 kernel has an AVX-512 VNNI form (`vpdpbusd`: two 32-channel blocks per
 instruction), chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and VNNI (Zen 4/5,

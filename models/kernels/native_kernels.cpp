@@ -11,8 +11,8 @@
 
 extern "C" {
 
-/* How many weight rows ahead the one-row kernels fetch (about 5-12 KB of SmolLM2's codes: far
-   enough to cover the memory's latency; 4 rows ahead ran 10-30% slower on a Zen 5) */
+/* How many weight rows ahead the one-row kernels fetch: far enough ahead to cover the memory's
+   latency (experiments/README.md, "Batch-1 decode at the memory roofline") */
 #define ROWS_AHEAD 16
 
 static inline float hsum(__m256 v) {
@@ -219,6 +219,22 @@ static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const
     }
 }
 
+/* Fetch the codes, scales and shifts of the four int4 rows ROWS_AHEAD after row o while rows
+   o .. o + 3 run, at block step b (their own line each two steps; the last rows fetch
+   themselves). Shared by the AVX2 and VNNI one-row kernels. */
+static inline __attribute__((always_inline)) void q4_fetch_ahead(const uint8_t* nib, const float* scale,
+        const float* shift, int64_t H, int64_t G, int64_t o, int64_t N, int64_t b) {
+    if (b & 3) return;
+    int64_t nx = o + 4 + ROWS_AHEAD <= N ? o + ROWS_AHEAD : o;
+    const char* pn = (const char*)(nib + nx * H);
+    for (int r = 0; r < 4; r++) _mm_prefetch(pn + r * H + b * 16, _MM_HINT_T0);
+    int64_t at = b / 4 * 64;
+    if (at < 4 * G * (int64_t)sizeof(float)) {
+        _mm_prefetch((const char*)(scale + nx * G) + at, _MM_HINT_T0);
+        _mm_prefetch((const char*)(shift + nx * G) + at, _MM_HINT_T0);
+    }
+}
+
 /* Four int4 output rows o .. o + 3 against one activation row (a decode step): q4_row's
    arithmetic for each row, in the same order (so a row's result does not depend on M), with
    the four rows' independent sums interleaved and the activation blocks loaded once. */
@@ -228,21 +244,10 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t B = K / 32, H = K / 2;
-    /* the codes, scales and shifts of the four rows ROWS_AHEAD ahead are fetched while these
-       run (their own line each two steps; the last blocks fetch themselves) */
-    int64_t nx = o + 4 + ROWS_AHEAD <= N ? o + ROWS_AHEAD : o;
-    const char* pn = (const char*)(nib + nx * H);
-    const char* ps = (const char*)(scale + nx * G);
-    const char* pt = (const char*)(shift + nx * G);
-    int64_t sb = 4 * G * (int64_t)sizeof(float);
     __m256 acc[4], acc2[4];
     for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
     for (int64_t b = 0; b < B; b += 2) {
-        if ((b & 3) == 0) {
-            for (int r = 0; r < 4; r++) _mm_prefetch(pn + r * H + b * 16, _MM_HINT_T0);
-            int64_t at = b / 4 * 64;
-            if (at < sb) { _mm_prefetch(ps + at, _MM_HINT_T0); _mm_prefetch(pt + at, _MM_HINT_T0); }
-        }
+        q4_fetch_ahead(nib, scale, shift, H, G, o, N, b);
         __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
         __m256i xv2 = _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32));
         float d = dx[b], d2 = dx[b + 1];
@@ -303,22 +308,13 @@ static VNNI void q4_rows4_vnni(const int8_t* xq, const float* dx, const float* x
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i nibble = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);  /* lanes 1, 3: the high nibbles */
     int64_t B = K / 32, H = K / 2;
-    int64_t nx = o + 4 + ROWS_AHEAD <= N ? o + ROWS_AHEAD : o;
-    const char* pn = (const char*)(nib + nx * H);
-    const char* ps = (const char*)(scale + nx * G);
-    const char* pt = (const char*)(shift + nx * G);
-    int64_t sb = 4 * G * (int64_t)sizeof(float);
     const uint8_t* w[4] = {nib + o * H, nib + (o + 1) * H, nib + (o + 2) * H, nib + (o + 3) * H};
     const float* sc[4] = {scale + o * G, scale + (o + 1) * G, scale + (o + 2) * G, scale + (o + 3) * G};
     __m512 acc[4];
     for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
     int same = bpg % 2 == 0;  /* both blocks of a step in one group: one scale */
     for (int64_t b = 0; b < B; b += 2) {
-        if ((b & 3) == 0) {
-            for (int r = 0; r < 4; r++) _mm_prefetch(pn + r * H + b * 16, _MM_HINT_T0);
-            int64_t at = b / 4 * 64;
-            if (at < sb) { _mm_prefetch(ps + at, _MM_HINT_T0); _mm_prefetch(pt + at, _MM_HINT_T0); }
-        }
+        q4_fetch_ahead(nib, scale, shift, H, G, o, N, b);
         __m512i xv = _mm512_loadu_si512((const void*)(xq + b * 32));
         __m512 d = _mm512_insertf32x8(_mm512_set1_ps(dx[b]), _mm256_set1_ps(dx[b + 1]), 1);
         int64_t j = b / bpg, j2 = (b + 1) / bpg;
