@@ -25,6 +25,9 @@ instruction), chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and VNNI (
 Xeons since Cascade Lake), else the AVX2 one: the same integer sums and the same float
 operations lane by lane, so the two give bit-identical results (`torch.ops.decodelab.isa(0)`
 asks for the AVX2 form, `isa(1)` for VNNI where the CPU has it; tests compare them).
+The int4 cache's decode attention (`int4_decode_attention`) reads its codes 512 bits wide at
+the same level (head size a multiple of 16, value groups of 32 channels or more; else AVX2):
+the same arithmetic in another order, each form within float rounding of the reference.
 The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute
 (`ROWS_AHEAD`) and keep their per-call buffers across calls (no allocation per product).
 

@@ -715,6 +715,290 @@ static inline __attribute__((always_inline)) void value_cols(const int JN, const
     }
 }
 
+/* The max of x[0 .. n), -inf for n = 0. */
+static inline float max_of(const float* x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float r = _mm_cvtss_f32(h);
+    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+/* What one work item of dl_int4_decode_attn reads and writes, shared by its AVX2 and AVX-512 halves. */
+typedef struct {
+    const float* qh;  /* query head j of the kv head at qh + j * T * D */
+    int64_t T, D, g, KG, VG, NV;
+    const uint8_t* kd;  /* this kv head's key codes [N/KG, KG/2, D] */
+    const void *ks, *ko;  /* the layer's key scales and shifts; this head's at element kso */
+    int64_t kso;
+    const uint8_t* vd;  /* this kv head's value codes [N, NV, VG/2] */
+    const void *vs, *vo;  /* the layer's value scales and shifts; this head's at element vso */
+    int64_t vso;
+    int skind;
+    float scale;
+    int64_t pa, pb;  /* the quantized positions of this item */
+    float* sc;  /* scores of query head j at sc + j * span, the quantized ones first */
+    int64_t span;  /* the stride of sc and of the [g, ...] and [NV, ...] scratch arrays */
+    float* pr;  /* per query head: max, sum, output [D] (stride D + 2) */
+    float* tmp;  /* scratch: [g, D] + [g] + [g, span] + 2 [NV, span] + [g] floats */
+} Int4Item;
+
+/* Quantized keys, AVX2: scores sc[j, s - pa] of the positions [pa, pb). Per key group the
+   query is folded with the group's scales (qs [g, D]) and shifts (qo [g]); then each byte row
+   of codes (two tokens) is dotted with up to 4 query heads at once. */
+static void int4_keys_avx2(const Int4Item* it) {
+    int64_t D = it->D, g = it->g, KG = it->KG, KR = KG / 2, pa = it->pa, pb = it->pb, span = it->span;
+    float *qs = it->tmp, *qo = qs + g * D, *sc = it->sc;
+    for (int64_t blk = pa / KG; blk * KG < pb; blk++) {
+        for (int64_t j = 0; j < g; j++) {
+            const float* qr = it->qh + j * it->T * D;
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qr + d), _mm256_set1_ps(it->scale));
+                _mm256_storeu_ps(qs + j * D + d, _mm256_mul_ps(qv, scale8(it->ks, it->skind, it->kso + blk * D + d)));
+                a = _mm256_fmadd_ps(qv, scale8(it->ko, it->skind, it->kso + blk * D + d), a);
+            }
+            qo[j] = hsum(a);
+        }
+        int64_t s0 = blk * KG > pa ? blk * KG : pa, s1 = blk * KG + KG < pb ? blk * KG + KG : pb;
+        /* byte rows r of the group: tokens blk KG + r and blk KG + r + KR, each kept if in [s0, s1) */
+        for (int64_t r = 0; r < KR; r++) {
+            int64_t ta = blk * KG + r, tb = ta + KR;
+            int in_a = ta >= s0 && ta < s1, in_b = tb >= s0 && tb < s1;
+            if (!in_a && !in_b) continue;
+            const uint8_t* row = it->kd + (blk * KR + r) * D;
+            for (int64_t j0 = 0; j0 < g; j0 += 4) {
+                float la[4], lb[4];
+                int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+                const float* qj = qs + j0 * D;
+                switch (jn) {
+                    case 1: key_pair(1, row, qj, qo + j0, D, la, lb); break;
+                    case 2: key_pair(2, row, qj, qo + j0, D, la, lb); break;
+                    case 3: key_pair(3, row, qj, qo + j0, D, la, lb); break;
+                    default: key_pair(4, row, qj, qo + j0, D, la, lb); break;
+                }
+                for (int jj = 0; jj < jn; jj++) {
+                    if (in_a) sc[(j0 + jj) * span + (ta - pa)] = la[jj];
+                    if (in_b) sc[(j0 + jj) * span + (tb - pa)] = lb[jj];
+                }
+            }
+        }
+    }
+}
+
+/* Quantized values, AVX2: pr's outputs += sum over [pa, pb) of the (unnormalized) weights in
+   sc times each value; per token and channel group the weights times the token's scale (wv),
+   the shifts' term per group (added to its channels at the end), then the codes column block
+   by column block. */
+static void int4_values_avx2(const Int4Item* it) {
+    int64_t D = it->D, g = it->g, VG = it->VG, VR = VG / 2, NV = it->NV, pa = it->pa, pb = it->pb, span = it->span;
+    int64_t n = pb - pa;
+    float *wv = it->tmp + g * D + g, *f = wv + g * span + 2 * NV * span, *sc = it->sc, *pr = it->pr;
+    for (int64_t gi = 0; gi < NV; gi++) {
+        for (int64_t j = 0; j < g; j++) f[j] = 0.f;
+        for (int64_t s = pa; s < pb; s++) {
+            int64_t at = it->vso + s * NV + gi;
+            float vsc = scale1(it->vs, it->skind, at), vof = scale1(it->vo, it->skind, at);
+            for (int64_t j = 0; j < g; j++) {
+                float w = sc[j * span + (s - pa)];
+                wv[j * span + (s - pa)] = w * vsc;
+                f[j] += w * vof;
+            }
+        }
+        for (int64_t j = 0; j < g; j++) {
+            float* o = pr + j * (D + 2) + 2 + gi * VG;
+            for (int64_t d = 0; d < VG; d++) o[d] += f[j];
+        }
+        const uint8_t* rows0 = it->vd + (pa * NV + gi) * VR;
+        for (int64_t r = 0; r < VR; r += 8)
+            for (int64_t j0 = 0; j0 < g; j0 += 4) {
+                int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+                float* o = pr + j0 * (D + 2) + 2 + gi * VG + r;
+                const float* w = wv + j0 * span;
+                switch (jn) {
+                    case 1: value_cols(1, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                    case 2: value_cols(2, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                    case 3: value_cols(3, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                    default: value_cols(4, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                }
+            }
+    }
+}
+
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
+
+/* 16 scales or shifts of an int4 cache from element i (scale8's, 16 wide) */
+static inline AVX512 __m512 scale16(const void* p, int kind, int64_t i) {
+    if (kind == 2) return _mm512_loadu_ps((const float*)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+    if (kind == 0) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The sums of v[0 .. 8)'s lanes, in that order: folded half against half, quarter against
+   quarter, then within each 128-bit lane (24 instructions for the 8 sums). */
+static inline AVX512 __m256 hsum8_512(const __m512* v) {
+    __m512 u[4], w[2];
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)  /* quarter k: v[4 i + k] folded to 4 lanes */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0x4E));  /* quarter k: lane 0 sum v[k], lane 1 sum v[4 + k] */
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0,
+                                                                          0), z));
+}
+
+/* key_pair, 16 channels a step: lanes 0-3 of the result the low nibbles' scores of query
+   heads 0 .. JN - 1 (without the shifts' term), lanes 4-7 the high nibbles'. */
+static inline AVX512 __attribute__((always_inline)) __m256 key_pair512(const int JN, const uint8_t* row,
+                                                                       const float* qs, int64_t D) {
+    __m512 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + d)));
+        __m512 cl = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), ch = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        for (int j = 0; j < JN; j++) {
+            __m512 qv = _mm512_loadu_ps(qs + j * D + d);
+            a[j] = _mm512_fmadd_ps(cl, qv, a[j]);
+            a[4 + j] = _mm512_fmadd_ps(ch, qv, a[4 + j]);
+        }
+    }
+    return hsum8_512(a);
+}
+
+/* Rows [r0, r1) of one key group's codes (rows at kg, D bytes each) against JN query heads:
+   token r's scores (low nibbles) to lo[j * ss + r], token r + KR's (high) to hi[j * ss + r]. */
+static inline AVX512 __attribute__((always_inline)) void key_rows512(const int JN, const uint8_t* kg, int64_t r0,
+        int64_t r1, const float* qs, const float* qo, int64_t D, float* lo, float* hi, int64_t ss) {
+    float o4[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < JN; j++) o4[j] = qo[j];
+    __m256 off = _mm256_setr_ps(o4[0], o4[1], o4[2], o4[3], o4[0], o4[1], o4[2], o4[3]);
+    for (int64_t r = r0; r < r1; r++) {
+        float l[8];
+        _mm256_storeu_ps(l, _mm256_add_ps(key_pair512(JN, kg + r * D, qs, D), off));
+        for (int j = 0; j < JN; j++) { lo[j * ss + r] = l[j]; hi[j * ss + r] = l[4 + j]; }
+    }
+}
+
+/* int4_keys_avx2 with 512-bit vectors (D % 16 == 0). It writes the scores of whole byte rows,
+   so also those of up to KG - 1 positions either side of [pa, pb): sc has KG floats of margin
+   there (Int4Item.sc), and what lands past pb is overwritten or never read. */
+static AVX512 void int4_keys_512(const Int4Item* it) {
+    int64_t D = it->D, g = it->g, KG = it->KG, KR = KG / 2, pa = it->pa, pb = it->pb, span = it->span;
+    float *qs = it->tmp, *qo = qs + g * D, *sc = it->sc;
+    for (int64_t blk = pa / KG; blk * KG < pb; blk++) {
+        for (int64_t j = 0; j < g; j++) {
+            const float* qr = it->qh + j * it->T * D;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 qv = _mm512_mul_ps(_mm512_loadu_ps(qr + d), _mm512_set1_ps(it->scale));
+                _mm512_storeu_ps(qs + j * D + d, _mm512_mul_ps(qv, scale16(it->ks, it->skind, it->kso + blk * D + d)));
+                a = _mm512_fmadd_ps(qv, scale16(it->ko, it->skind, it->kso + blk * D + d), a);
+            }
+            qo[j] = _mm512_reduce_add_ps(a);
+        }
+        /* rows r whose token blk KG + r or blk KG + r + KR lies in [pa, pb) */
+        int64_t base = blk * KG, x = pa - base, y = pb - base;
+        int64_t r0 = x - KR > 0 ? x - KR : 0, r1 = y < KR ? y : KR;
+        const uint8_t* kg = it->kd + blk * KR * D;
+        for (int64_t j0 = 0; j0 < g; j0 += 4) {
+            int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+            const float* qj = qs + j0 * D;
+            float* lo = sc + j0 * span + (base - pa);
+            switch (jn) {
+                case 1: key_rows512(1, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                case 2: key_rows512(2, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                case 3: key_rows512(3, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                default: key_rows512(4, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+            }
+        }
+    }
+}
+
+/* value_cols with 512-bit vectors: 16 bytes of each token's row (32 channels) */
+static inline AVX512 __attribute__((always_inline)) void value_cols512(const int JN, const uint8_t* row,
+        int64_t step, int64_t n, const float* wv, int64_t ws, float* o, int64_t os, int64_t VR) {
+    __m512 lo[4], hi[4];
+    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    for (int64_t s = 0; s < n; s++) {
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + s * step)));
+        __m512 cl = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), ch = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        for (int j = 0; j < JN; j++) {
+            __m512 w = _mm512_set1_ps(wv[j * ws + s]);
+            lo[j] = _mm512_fmadd_ps(w, cl, lo[j]);
+            hi[j] = _mm512_fmadd_ps(w, ch, hi[j]);
+        }
+    }
+    for (int j = 0; j < JN; j++) {
+        float* oj = o + j * os;
+        _mm512_storeu_ps(oj, _mm512_add_ps(_mm512_loadu_ps(oj), lo[j]));
+        _mm512_storeu_ps(oj + VR, _mm512_add_ps(_mm512_loadu_ps(oj + VR), hi[j]));
+    }
+}
+
+/* int4_values_avx2 with 512-bit vectors (VG % 32 == 0): the item's value scales and shifts
+   converted once into [NV, n] fp32 arrays, the weights scaled 16 tokens at a time. */
+static AVX512 void int4_values_512(const Int4Item* it) {
+    int64_t D = it->D, g = it->g, VG = it->VG, VR = VG / 2, NV = it->NV, pa = it->pa, pb = it->pb, span = it->span;
+    int64_t n = pb - pa;
+    float *wv = it->tmp + g * D + g, *vsc = wv + g * span, *vof = vsc + NV * span, *sc = it->sc, *pr = it->pr;
+    int64_t at = it->vso + pa * NV;
+    if (NV == 1) {
+        int64_t s = 0;
+        for (; s + 16 <= n; s += 16) {
+            _mm512_storeu_ps(vsc + s, scale16(it->vs, it->skind, at + s));
+            _mm512_storeu_ps(vof + s, scale16(it->vo, it->skind, at + s));
+        }
+        for (; s < n; s++) { vsc[s] = scale1(it->vs, it->skind, at + s); vof[s] = scale1(it->vo, it->skind, at + s); }
+    } else {
+        for (int64_t s = 0; s < n; s++)
+            for (int64_t gi = 0; gi < NV; gi++) {
+                vsc[gi * span + s] = scale1(it->vs, it->skind, at + s * NV + gi);
+                vof[gi * span + s] = scale1(it->vo, it->skind, at + s * NV + gi);
+            }
+    }
+    for (int64_t gi = 0; gi < NV; gi++) {
+        const float *a = vsc + gi * span, *c = vof + gi * span;
+        for (int64_t j = 0; j < g; j++) {
+            const float* e = sc + j * span;
+            float* w = wv + j * span;
+            __m512 acc = _mm512_setzero_ps();
+            int64_t s = 0;
+            for (; s + 16 <= n; s += 16) {
+                __m512 x = _mm512_loadu_ps(e + s);
+                _mm512_storeu_ps(w + s, _mm512_mul_ps(x, _mm512_loadu_ps(a + s)));
+                acc = _mm512_fmadd_ps(x, _mm512_loadu_ps(c + s), acc);
+            }
+            float f = _mm512_reduce_add_ps(acc);
+            for (; s < n; s++) { w[s] = e[s] * a[s]; f += e[s] * c[s]; }
+            float* o = pr + j * (D + 2) + 2 + gi * VG;
+            for (int64_t d = 0; d < VG; d++) o[d] += f;
+        }
+        const uint8_t* rows0 = it->vd + (pa * NV + gi) * VR;
+        for (int64_t r = 0; r < VR; r += 16)
+            for (int64_t j0 = 0; j0 < g; j0 += 4) {
+                int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+                float* o = pr + j0 * (D + 2) + 2 + gi * VG + r;
+                const float* w = wv + j0 * span;
+                switch (jn) {
+                    case 1: value_cols512(1, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                    case 2: value_cols512(2, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                    case 3: value_cols512(3, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                    default: value_cols512(4, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                }
+            }
+    }
+}
+
 /* Decode attention straight from an int4 cache's stores (cache/int4.py), with the KIVI axes:
    keys quantized per channel in groups of KG tokens, values per token in groups of VG
    channels (quanto's packing: code i of a group in byte i % R at bit 4 (i / R), R = G / 2;
@@ -730,7 +1014,9 @@ static inline __attribute__((always_inline)) void value_cols(const int JN, const
    scales folded into the query once per group), a quantized value adds
    (w scale) code + w shift; nothing dequantized is written. Work and merging as
    dl_decode_attn: (b, kv head, t) x C chunks of the seen positions, each kv head's codes
-   read once for its g query heads. Returns 0, or -1 when out of memory. */
+   read once for its g query heads. The quantized keys and values run 512 bits wide where the
+   CPU has AVX-512 (dl_isa) and D % 16 == 0, VG % 32 == 0; otherwise in AVX2. Returns 0, or
+   -1 when out of memory. */
 int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D,
                         const uint8_t* const* kd, const void* const* ks, const void* const* ko,
                         const uint8_t* const* vd, const void* const* vs, const void* const* vo, int skind,
@@ -738,6 +1024,7 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
                         const int64_t* vis, float scale, int64_t window, int64_t KG, int64_t VG, float* out) {
     int64_t g = Hq / Hkv, rows = B * Hkv * T, threads = omp_get_max_threads();
     int64_t KR = KG / 2, VR = VG / 2, NV = D / VG, maxn = 1;
+    int wide = dl_isa(-1) >= 1 && D % 16 == 0 && VG % 32 == 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t* m = meta + b * 7;
         int64_t n = (m[1] - m[0]) + (m[3] - m[2]);
@@ -748,15 +1035,13 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
     if (C > maxn / 64 + 1) C = maxn / 64 + 1;  /* a chunk of at least ~64 positions */
     if (C < 1) C = 1;
     float* part = (float*)malloc(sizeof(float) * (size_t)(rows * C * g * (D + 2)));
-    int64_t span = maxn / C + 2;
+    int64_t span = maxn / C + 2, ss = span + 2 * KG;  /* scores: a margin of KG either side (int4_keys_512) */
     int failed = part ? 0 : 1;
     if (failed) return -1;
     #pragma omp parallel
     {
-        /* per thread: scores [g, span], the query folded with a group's key scales [g, D], the
-           per-group shift terms of the values [g, NV], the key shifts' terms [g], the value
-           weights [g, span] */
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(2 * g * span + g * D + g * NV + g));
+        /* per thread: scores [g, ss], then the items' scratch (Int4Item.tmp) */
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(g * ss + g * D + g + g * ss + 2 * NV * ss + g));
         if (!sc) {
             #pragma omp atomic write
             failed = 1;
@@ -764,9 +1049,6 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
         #pragma omp for schedule(static)
         for (int64_t it = 0; it < rows * C; it++) {
             if (!sc) continue;
-            float* qs = sc + g * span;  /* [g, D] */
-            float* voff = qs + g * D;   /* [g, NV] */
-            float* qo = voff + g * NV;  /* [g] */
             int64_t c = it % C, r = it / C, t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
             const int64_t* m = meta + b * 7;
             int64_t p = qpos[b * T + t], vq = vis[b * T + t], N = m[5], E = m[6], p0 = m[4];
@@ -784,59 +1066,22 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
                 float* o = pr + j * (D + 2);
                 o[0] = -INFINITY; o[1] = 0.f;
                 for (int64_t d = 0; d < D; d++) o[2 + d] = 0.f;
-                for (int64_t i = 0; i < NV; i++) voff[j * NV + i] = 0.f;
             }
             if (a1 <= a0) continue;
-            const float* qh = q + ((b * Hq + hk * g) * T + t) * D;  /* query head j at qh + j * T * D */
-            /* quantized positions [pa, pb) of this chunk, group by group */
-            int64_t pa = q0 + a0, pb = q0 + (a1 < nq ? a1 : nq);
-            const uint8_t* kdh = kd[b] + hk * (N / KG) * KR * D;
-            const void* ksh = ks[b];
-            const void* koh = ko[b];
-            int64_t kso = hk * (N / KG) * D;  /* element offset of this head's key scales */
-            for (int64_t blk = pa / KG; pa < pb && blk * KG < pb; blk++) {
-                for (int64_t j = 0; j < g; j++) {
-                    const float* qr = qh + j * T * D;
-                    __m256 a = _mm256_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 8) {
-                        __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qr + d), _mm256_set1_ps(scale));
-                        _mm256_storeu_ps(qs + j * D + d, _mm256_mul_ps(qv, scale8(ksh, skind, kso + blk * D + d)));
-                        a = _mm256_fmadd_ps(qv, scale8(koh, skind, kso + blk * D + d), a);
-                    }
-                    qo[j] = hsum(a);
-                }
-                int64_t s0 = blk * KG > pa ? blk * KG : pa, s1 = blk * KG + KG < pb ? blk * KG + KG : pb;
-                /* byte rows r of the group: tokens blk KG + r and blk KG + r + KR, each kept if in [s0, s1) */
-                for (int64_t r = 0; r < KR; r++) {
-                    int64_t ta = blk * KG + r, tb = ta + KR;
-                    int in_a = ta >= s0 && ta < s1, in_b = tb >= s0 && tb < s1;
-                    if (!in_a && !in_b) continue;
-                    const uint8_t* row = kdh + (blk * KR + r) * D;
-                    for (int64_t j0 = 0; j0 < g; j0 += 4) {
-                        float la[4], lb[4];
-                        int jn = g - j0 < 4 ? (int)(g - j0) : 4;
-                        const float* qj = qs + j0 * D;
-                        switch (jn) {
-                            case 1: key_pair(1, row, qj, qo + j0, D, la, lb); break;
-                            case 2: key_pair(2, row, qj, qo + j0, D, la, lb); break;
-                            case 3: key_pair(3, row, qj, qo + j0, D, la, lb); break;
-                            default: key_pair(4, row, qj, qo + j0, D, la, lb); break;
-                        }
-                        for (int jj = 0; jj < jn; jj++) {
-                            float* mx = pr + (j0 + jj) * (D + 2);
-                            if (in_a) {
-                                sc[(j0 + jj) * span + (ta - pa)] = la[jj];
-                                if (la[jj] > *mx) *mx = la[jj];
-                            }
-                            if (in_b) {
-                                sc[(j0 + jj) * span + (tb - pa)] = lb[jj];
-                                if (lb[jj] > *mx) *mx = lb[jj];
-                            }
-                        }
-                    }
-                }
+            Int4Item item;
+            item.qh = q + ((b * Hq + hk * g) * T + t) * D;
+            item.T = T; item.D = D; item.g = g; item.KG = KG; item.VG = VG; item.NV = NV;
+            item.kd = kd[b] + hk * (N / KG) * KR * D; item.ks = ks[b]; item.ko = ko[b]; item.kso = hk * (N / KG) * D;
+            item.vd = vd[b] + hk * N * NV * VR; item.vs = vs[b]; item.vo = vo[b]; item.vso = hk * N * NV;
+            item.skind = skind; item.scale = scale;
+            /* quantized positions [pa, pb) of this chunk */
+            item.pa = q0 + a0; item.pb = q0 + (a1 < nq ? a1 : nq);
+            item.sc = sc + KG; item.span = ss; item.pr = pr; item.tmp = sc + g * ss;
+            int64_t nqc = item.pb > item.pa ? item.pb - item.pa : 0;  /* quantized scores first, then exact ones */
+            if (nqc > 0) {
+                if (wide) int4_keys_512(&item);
+                else int4_keys_avx2(&item);
             }
-            int64_t nqc = pb > pa ? pb - pa : 0;  /* quantized scores of this chunk, then exact ones */
             /* exact positions [ea, eb) of this chunk */
             int64_t ea = e0 + (a0 > nq ? a0 - nq : 0), eb = e0 + (a1 > nq ? a1 - nq : 0);
             const float* keh = ke[b] + hk * E * D;
@@ -844,55 +1089,28 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
             for (int64_t s = ea; s < eb; s++) {
                 const float* kr = keh + (s - p0) * D;
                 for (int64_t j = 0; j < g; j++) {
-                    const float* qr = qh + j * T * D;
+                    const float* qr = item.qh + j * T * D;
                     __m256 a = _mm256_setzero_ps();
                     for (int64_t d = 0; d < D; d += 8)
                         a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a);
-                    float x = hsum(a) * scale;
-                    sc[j * span + nqc + (s - ea)] = x;
-                    if (x > pr[j * (D + 2)]) pr[j * (D + 2)] = x;
+                    item.sc[j * ss + nqc + (s - ea)] = hsum(a) * scale;
                 }
             }
             int64_t cnt = nqc + (eb - ea);
-            for (int64_t j = 0; j < g; j++) pr[j * (D + 2) + 1] = exp_sum(sc + j * span, cnt, pr[j * (D + 2)]);
-            /* values: quantized, per token and channel group: the weights times each token's scale
-               (wv [g, nqc]), the shifts' term per group, then the codes column block by column block */
-            const uint8_t* vdh = vd[b] + hk * N * NV * VR;
-            int64_t vso = hk * N * NV;
-            float* wv = qs + g * D + g * NV + g;  /* [g, span] */
-            for (int64_t gi = 0; gi < NV && nqc > 0; gi++) {
-                for (int64_t s = pa; s < pb; s++) {
-                    float vsc = scale1(vs[b], skind, vso + s * NV + gi), vof = scale1(vo[b], skind, vso + s * NV + gi);
-                    for (int64_t j = 0; j < g; j++) {
-                        float w = sc[j * span + (s - pa)];
-                        wv[j * span + (s - pa)] = w * vsc;
-                        voff[j * NV + gi] += w * vof;
-                    }
-                }
-                const uint8_t* rows0 = vdh + (pa * NV + gi) * VR;
-                for (int64_t r = 0; r < VR; r += 8)
-                    for (int64_t j0 = 0; j0 < g; j0 += 4) {
-                        int jn = g - j0 < 4 ? (int)(g - j0) : 4;
-                        float* o = pr + j0 * (D + 2) + 2 + gi * VG + r;
-                        const float* w = wv + j0 * span;
-                        switch (jn) {
-                            case 1: value_cols(1, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
-                            case 2: value_cols(2, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
-                            case 3: value_cols(3, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
-                            default: value_cols(4, rows0 + r, NV * VR, nqc, w, span, o, D + 2, VR); break;
-                        }
-                    }
+            for (int64_t j = 0; j < g; j++) {
+                float mx = max_of(item.sc + j * ss, cnt);
+                pr[j * (D + 2)] = mx;
+                pr[j * (D + 2) + 1] = exp_sum(item.sc + j * ss, cnt, mx);
             }
-            for (int64_t j = 0; j < g; j++)
-                for (int64_t gi = 0; gi < NV; gi++) {
-                    float f = voff[j * NV + gi], *o = pr + j * (D + 2) + 2 + gi * VG;
-                    for (int64_t d = 0; d < VG; d++) o[d] += f;
-                }
+            if (nqc > 0) {
+                if (wide) int4_values_512(&item);
+                else int4_values_avx2(&item);
+            }
             for (int64_t s = ea; s < eb; s++) {
                 const float* vr = veh + (s - p0) * D;
                 for (int64_t j = 0; j < g; j++) {
                     float* o = pr + j * (D + 2) + 2;
-                    __m256 w = _mm256_set1_ps(sc[j * span + nqc + (s - ea)]);
+                    __m256 w = _mm256_set1_ps(item.sc[j * ss + nqc + (s - ea)]);
                     for (int64_t d = 0; d < D; d += 8)
                         _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(o + d)));
                 }

@@ -26,6 +26,19 @@ pytestmark = pytest.mark.skipif(native.problem() is not None, reason=f"native ke
 LIMIT = 1e-4
 
 
+@pytest.fixture(params=[0, 1], ids=["avx2", "avx512"])
+def isa(request):
+    """Each kernel check in both instruction sets: the AVX2 form, and the 512-bit one where
+    the CPU has it (skipped elsewhere); the level in use restored after."""
+    before = torch.ops.decodelab.isa(-1)
+    if request.param > before:
+        pytest.skip("this CPU has no AVX-512 (with VNNI): only the AVX2 path runs here")
+    torch.ops.decodelab.isa(request.param)
+    assert torch.ops.decodelab.isa(-1) == request.param
+    yield request.param
+    torch.ops.decodelab.isa(before)
+
+
 def filled(Hq: int, Hkv: int, D: int, context: int, T: int = 1, window=None, back: int = 0, **options):
     """An int4 cache (2 rows) holding `context` random tokens, row 1 rolled back by `back`,
     with a forward of T new tokens per row planned and stored in layer 0; the queries, the
@@ -62,7 +75,7 @@ def both(cache, plan, q, layout, threads: int | None = None):
 # blocks with a partial exact tail (1000, 2047)
 @pytest.mark.parametrize("context", [1, 40, 103, 104, 105, 128, 129, 1000, 2047])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (9, 3), (8, 2), (8, 1)])
-def test_native_equals_reference_over_the_boundaries(context, Hq, Hkv):
+def test_native_equals_reference_over_the_boundaries(context, Hq, Hkv, isa):
     got, want = both(*filled(Hq, Hkv, 64, context))
     assert got.isfinite().all()
     assert (got - want).abs().max().item() <= LIMIT
@@ -71,7 +84,7 @@ def test_native_equals_reference_over_the_boundaries(context, Hq, Hkv):
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("window", [None, 37, 300])
 @pytest.mark.parametrize("T", [1, 3, 9])
-def test_native_windows_verify_forwards_and_ragged_rows(threads, window, T):
+def test_native_windows_verify_forwards_and_ragged_rows(threads, window, T, isa):
     """T queries a row whose V(q) differ inside the forward (they cross a flush boundary),
     an unaligned window start, row 1 rolled back 5 tokens (another length, a shorter exact
     store); 1 and 3 threads (other context chunks)."""
@@ -84,8 +97,8 @@ def test_native_windows_verify_forwards_and_ragged_rows(threads, window, T):
 
 
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("group_size,D", [(32, 64), (64, 64), (128, 128), (32, 32), (64, 128)])
-def test_native_reads_every_scale_dtype_and_group(scale_dtype, group_size, D):
+@pytest.mark.parametrize("group_size,D", [(32, 64), (64, 64), (128, 128), (32, 32), (64, 128), (32, 96), (32, 16)])
+def test_native_reads_every_scale_dtype_and_group(scale_dtype, group_size, D, isa):
     got, want = both(*filled(6, 2, D, 700, group_size=group_size, scale_dtype=scale_dtype))
     assert (got - want).abs().max().item() <= LIMIT
 
