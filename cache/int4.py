@@ -33,7 +33,11 @@ per row [B], the same in every layer; the codec is cache/int4_codec.py):
   cache at group 64);
 - the exact store (`key_exact`, `value_exact`, [Hkv, len - P0, D]) holds positions
   [P0, len) in the layout's dtype, P0 <= Qs, both multiples of F. Blocks [P0, Qs) are
-  held in both forms (counted by `nbytes`).
+  held in both forms (counted by `nbytes`). Each is a view of a buffer with room for up to
+  a sixteenth more tokens (`_exact_capacity`) that new tokens are written into in place, and a flush
+  advances the view's start; only when the end reaches the buffer's are they copied into
+  a fresh one (every 8 to 12 decode steps, instead of a copy of the whole store at
+  every token).
 Padding is never stored; rows may hold different lengths.
 
 One forward (all of it planned once, in `plan`, the value every layer's `attend` reads):
@@ -66,7 +70,8 @@ refuses it and says why.
 
 Memory: in steady state the exact store holds between residual + rollback - 1 and
 residual + rollback + F - 2 tokens (defaults 112 + 16, F 64: 127..190 tokens, the
-128..191 a 128-token residual held before), the quantized store V(len - 1) tokens; the
+128..191 a 128-token residual held before; its buffer up to a sixteenth more, at most 192:
+`nbytes` counts the buffer, `read_bytes` the tokens), the quantized store V(len - 1) tokens; the
 blocks between V(len - rollback) and V(len - 1) (at most one with the defaults) are held
 in both forms, and `nbytes` counts both.
 """
@@ -148,7 +153,9 @@ class Int4Plan(Plan):
     drop: list[int]  # [B] exact tokens dropped from the store's front after the attention
     views: dict  # window -> [View], one per chunk of query columns
     fed: list[int]  # [B] the cache row of each row of the forward (all rows, or `plan`'s `rows`)
-    kernel_q: tuple | None  # (qpos [B, T], V(q) [B, T]) int32 on the device for the kernel; None: reference
+    kernel_q: tuple | None  # (qpos [B, T], V(q) [B, T]) on the device for the kernel (int64 for the native
+    # one, int32 for Triton); None: reference
+    lengths: list[int]  # [B] each row's length once the forward is stored
 
 
 class QuantizedCache(KVCache):
@@ -310,10 +317,11 @@ class QuantizedCache(KVCache):
         # decode-sized and causal: one view, the kernel (a tree of drafts takes the reference)
         kernel = self.impl != "reference" and T <= min(DECODE_QUERIES, C) and tree is None
         dev = self.layout.device
-        kernel_q = (qeff.to(dev, torch.int32), vis.to(dev, torch.int32)) if kernel else None
+        ix = torch.long if self.impl == "native" else torch.int32  # what the kernel reads: no conversion per layer
+        kernel_q = (qeff.to(dev, ix), vis.to(dev, ix)) if kernel else None
         return extend(base, Int4Plan, new_tokens=n.tolist(), exact_start=p0.tolist(), quantize_from=qs.tolist(),
                       quantize_to=q_to.tolist(), drop=(p0_new - p0).tolist(), views=views, fed=r.tolist(),
-                      kernel_q=kernel_q)
+                      kernel_q=kernel_q, lengths=L.tolist())
 
     def _view(self, window, qeff, vis, a: int, exact_start: torch.Tensor, tree: Tree | None = None) -> View:
         """Key slots of every row for the queries at slots qeff [B, t] (columns a..a+t) in one
@@ -409,17 +417,48 @@ class QuantizedCache(KVCache):
             for g, codes, exact, x in ((self.key_grouping, self.key_codes, self.key_exact, k),
                                        (self.value_grouping, self.value_codes, self.value_exact, v)):
                 if n:
-                    exact[layer][row] = torch.cat((exact[layer][row], x[b, :, :n]), 1)
+                    exact[layer][row] = self._appended(exact[layer][row], x[b, :, :n])
                 if q_to > q_from:
                     new = exact[layer][row][:, q_from - start:q_to - start]  # [H, q_to - q_from, D]
                     codes[layer][row] = g.append(codes[layer][row], quantize(new, g, self.scale_dtype))
 
+    def _exact_capacity(self, tokens: int) -> int:
+        """Tokens a fresh exact buffer holds for a store of `tokens`: those, plus room for a
+        sixteenth as many more (at least one), never past the most the store holds in steady
+        state (residual + rollback + flush) nor the cache's capacity unless `tokens` is:
+        in steady state a copy every 8 to 12 decode steps, and never more memory than the
+        store's high point."""
+        room = min(tokens + max(1, tokens // 16), self.residual + self.rollback_limit + self.flush, self.capacity)
+        return max(tokens, room)
+
+    def _appended(self, store: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The exact store [H, n, D] with x [H, k, D] after it: written in place into the
+        buffer the store is a view of (one of these buffers: `_appended` makes them all)
+        where it has room after the store's end, else both copied into a fresh buffer
+        (`_exact_capacity(n + k)` tokens)."""
+        H, n, D = store.shape
+        k, base = x.shape[1], store._base
+        if base is not None and store.stride(0) == base.stride(0):
+            a = (store.storage_offset() - base.storage_offset()) // D  # the store's first token in the buffer
+            if a + n + k <= base.shape[1]:
+                base.narrow(1, a + n, k).copy_(x)
+                return base.narrow(1, a, n + k)
+        buf = torch.empty(H, self._exact_capacity(n + k), D, dtype=store.dtype, device=store.device)
+        buf[:, :n] = store
+        buf[:, n:n + k] = x
+        return buf[:, :n + k]
+
     def _flush(self, layer: int, p: Int4Plan) -> None:
-        """Drop the exact copies of blocks no future query can need (fresh storage: freed)."""
+        """Drop the exact copies of blocks no future query can need: the views start later;
+        a buffer wider than `_exact_capacity` of what it keeps (after a long forward) is
+        copied into a fresh one of that size (the wide one freed)."""
         for row, d in zip(p.fed, p.drop):
             if d:
-                self.key_exact[layer][row] = self.key_exact[layer][row][:, d:].clone()
-                self.value_exact[layer][row] = self.value_exact[layer][row][:, d:].clone()
+                for exact in (self.key_exact, self.value_exact):
+                    kept = exact[layer][row][:, d:]
+                    if (kept if kept._base is None else kept._base).shape[1] > self._exact_capacity(kept.shape[1]):
+                        kept = self._appended(kept[:, :0].clone(), kept)
+                    exact[layer][row] = kept
 
     def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy positions src -> dst of a row inside its exact stores (a tree's tokens are
@@ -444,7 +483,7 @@ class QuantizedCache(KVCache):
         means the layer has not stored this forward (refused)."""
         starts = []
         for b, row in enumerate(plan.fed):
-            start = int(self.lengths[row]) - self.key_exact[layer][row].shape[1]
+            start = plan.lengths[b] - self.key_exact[layer][row].shape[1]
             if start not in (plan.exact_start[b], int(self.exact_start[row])):
                 raise SetupError(f"layer {layer} of the int4 cache holds no K/V of this planned forward: call "
                                  "plan(positions) and attend(layer, q, k, v, plan) before reading its attention")
@@ -609,12 +648,15 @@ class QuantizedCache(KVCache):
                 for b in range(B):
                     if q is not None:
                         codes[layer][b] = QStore(*(t.clone() for t in q.tensors()))
-                    exact[layer][b] = x[:, p0:].clone()  # [H, n - P0, D]
+                    exact[layer][b] = self._appended(x[:, :0].clone(), x[:, p0:])  # [H, n - P0, D]
         self.quantized_len, self.exact_start = torch.full((B,), qs), torch.full((B,), p0)
 
     def read_bytes(self, context: int) -> int:
-        """Bytes a decode step reads: the stores as they are (`nbytes`; they hold `context`)."""
-        return self.nbytes()
+        """Bytes a decode step reads: the quantized stores as they are and the exact tokens
+        held (not the rest of their buffers; the stores hold `context`)."""
+        stores = [t for layer in self.key_codes + self.value_codes for s in layer for t in s.tensors()]
+        exact = [t for layer in self.key_exact + self.value_exact for t in layer]
+        return sum(t.untyped_storage().nbytes() for t in stores) + sum(t.numel() * t.element_size() for t in exact)
 
     def static_plan(self, tokens: int = 1, impl: str = "auto") -> HostPlan:
         """The compiled CPU step's plan: the model compiled, each layer's int4 attention one

@@ -239,6 +239,7 @@ class HostPlan:
 #: the live HostPlans of the process, by handle (what the traced op carries)
 _HOST_PLANS = Handles()
 _REGISTERED: set[str] = set()
+_LIBRARY = None  # the decodelab fragment the attention ops are defined in
 
 
 def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -262,9 +263,16 @@ def register_attend_op(name: str, impl) -> None:
     """Register `decodelab::<name>(q, k, v, layer, handle) -> like q`, an attention a
     compiled graph calls as one opaque op (`impl` finds its host object by `handle`), once
     per process (on first use: nothing eager pays for it). Its fake implementation gives
-    q's shape and dtype, all inductor needs."""
+    q's shape and dtype, all inductor needs. A plain library op (one dispatcher call to
+    `impl`): torch.library.custom_op's autograd and aliasing wrappers cost ~5 us a call,
+    paid by every layer of every step."""
+    global _LIBRARY
     if name in _REGISTERED:
         return
-    op = torch.library.custom_op(f"decodelab::{name}", impl, mutates_args=())
-    op.register_fake(lambda q, k, v, layer, handle: torch.empty_like(q))
+    if _LIBRARY is None:
+        _LIBRARY = torch.library.Library("decodelab", "FRAGMENT")
+    _LIBRARY.define(f"{name}(Tensor q, Tensor k, Tensor v, int layer, Tensor handle) -> Tensor")
+    _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"decodelab::{name}", lib=_LIBRARY)(
+        lambda q, k, v, layer, handle: torch.empty_like(q))
     _REGISTERED.add(name)

@@ -1005,9 +1005,10 @@ static AVX512 void int4_values_512(const Int4Item* it) {
    x = code x scale + shift). Per row b, pointers to the layer's stores:
      kd [Hkv, N/KG, KG/2, D] codes, ks / ko [Hkv, N/KG, 1, D] scales and shifts (keys);
      vd [Hkv, N, D/VG, VG/2], vs / vo [Hkv, N, D/VG, 1] (values); N = meta[b, 5] tokens;
-     ke, ve [Hkv, E, D] fp32 exact keys and values of positions [p0, p0 + E), E = meta[b, 6];
-   meta[b] = (dequant_from, dequant_to, exact_from, exact_to, p0, N, E): the spans the
-   cache's View reads. The query at position p = qpos[b, t] with V(p) = vis[b, t] sees,
+     ke, ve [Hkv, E, D] fp32 exact keys and values of positions [p0, p0 + E), E = meta[b, 6],
+     rows of D floats, meta[b, 7] and meta[b, 8] floats from one head's rows to the next's;
+   meta[b] = (dequant_from, dequant_to, exact_from, exact_to, p0, N, E, key head stride,
+   value head stride): the spans the cache's View reads and the exact stores' layout. The query at position p = qpos[b, t] with V(p) = vis[b, t] sees,
    inside its window, positions [dequant_from, min(dequant_to, V(p))) quantized and
    [max(exact_from, V(p)), min(exact_to, p + 1)) exact: the rule of int4_attention_reference.
    A quantized key's score is sum_d (q_d scale_d) code_d + sum_d q_d shift_d (the group's
@@ -1026,7 +1027,7 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
     int64_t KR = KG / 2, VR = VG / 2, NV = D / VG, maxn = 1;
     int wide = dl_isa(-1) >= 1 && D % 16 == 0 && VG % 32 == 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t* m = meta + b * 7;
+        const int64_t* m = meta + b * 9;
         int64_t n = (m[1] - m[0]) + (m[3] - m[2]);
         if (n > maxn) maxn = n;
     }
@@ -1050,8 +1051,8 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
         for (int64_t it = 0; it < rows * C; it++) {
             if (!sc) continue;
             int64_t c = it % C, r = it / C, t = r % T, hk = (r / T) % Hkv, b = r / (T * Hkv);
-            const int64_t* m = meta + b * 7;
-            int64_t p = qpos[b * T + t], vq = vis[b * T + t], N = m[5], E = m[6], p0 = m[4];
+            const int64_t* m = meta + b * 9;
+            int64_t p = qpos[b * T + t], vq = vis[b * T + t], N = m[5], p0 = m[4];
             int64_t wlo = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
             int64_t q0 = m[0] > wlo ? m[0] : wlo, q1 = m[1] < vq ? m[1] : vq;
             if (q1 > p + 1) q1 = p + 1;
@@ -1084,8 +1085,8 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
             }
             /* exact positions [ea, eb) of this chunk */
             int64_t ea = e0 + (a0 > nq ? a0 - nq : 0), eb = e0 + (a1 > nq ? a1 - nq : 0);
-            const float* keh = ke[b] + hk * E * D;
-            const float* veh = ve[b] + hk * E * D;
+            const float* keh = ke[b] + hk * m[7];
+            const float* veh = ve[b] + hk * m[8];
             for (int64_t s = ea; s < eb; s++) {
                 const float* kr = keh + (s - p0) * D;
                 for (int64_t j = 0; j < g; j++) {

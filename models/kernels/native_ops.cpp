@@ -248,8 +248,18 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
     std::vector<const uint8_t*> kdp(B), vdp(B);
     std::vector<const void*> ksp(B), kop(B), vsp(B), vop(B);
     std::vector<const float*> kep(B), vep(B);
-    std::vector<int64_t> meta(B * 7);
+    std::vector<int64_t> meta(B * 9);
     auto c = [&](const at::Tensor& t) { keep.push_back(t.contiguous()); return keep.back().data_ptr(); };
+    // an exact store may be a view of a wider buffer (cache/int4.py appends in place): rows of D
+    // contiguous floats, any stride between heads, read where it lies
+    auto rows_of = [&](const at::Tensor& t, int64_t* stride) {
+        if (t.stride(2) == 1 && t.stride(1) == D && (t.size(0) == 1 || t.stride(0) >= t.size(1) * D)) {
+            *stride = t.size(0) == 1 ? t.size(1) * D : t.stride(0);
+            return (const float*)t.data_ptr();
+        }
+        *stride = t.size(1) * D;
+        return (const float*)c(t);
+    };
     for (int64_t b = 0; b < B; b++) {
         int64_t N = vd[b].dim() == 4 ? vd[b].size(1) : -1, E = ke[b].dim() == 3 ? ke[b].size(1) : -1;
         TORCH_CHECK(N >= 0 && N % kg == 0 && kd[b].sizes() == at::IntArrayRef({Hkv, N / kg, kg / 2, D}) &&
@@ -268,12 +278,12 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
         TORCH_CHECK(0 <= m[0] && m[0] <= m[1] && m[1] <= N && (m[3] <= m[2] || (m[4] <= m[2] && m[3] <= m[4] + E)),
                     w, "row ", b, ": spans [", m[0], ", ", m[1], ") quantized of ", N, " and [", m[2], ", ", m[3],
                     ") exact of [", m[4], ", ", m[4] + E, ") are not held");
-        for (int k = 0; k < 5; k++) meta[b * 7 + k] = m[k];
-        meta[b * 7 + 5] = N;
-        meta[b * 7 + 6] = E;
+        for (int k = 0; k < 5; k++) meta[b * 9 + k] = m[k];
+        meta[b * 9 + 5] = N;
+        meta[b * 9 + 6] = E;
         kdp[b] = (const uint8_t*)c(kd[b]); ksp[b] = c(ks[b]); kop[b] = c(ko[b]);
         vdp[b] = (const uint8_t*)c(vd[b]); vsp[b] = c(vs[b]); vop[b] = c(vo[b]);
-        kep[b] = (const float*)c(ke[b]); vep[b] = (const float*)c(ve[b]);
+        kep[b] = rows_of(ke[b], &meta[b * 9 + 7]); vep[b] = rows_of(ve[b], &meta[b * 9 + 8]);
         TORCH_CHECK(kd[b].device().is_cpu() && vd[b].device().is_cpu() && ke[b].device().is_cpu() &&
                     ve[b].device().is_cpu() && ks[b].device().is_cpu() && vs[b].device().is_cpu(), w,
                     "CPU tensors only");

@@ -75,8 +75,11 @@ def stored(c, layer: int, x: torch.Tensor, kind: str = "k") -> torch.Tensor:
 def test_read_bytes(backend):
     c = filled(backend)
     elem = getattr(c, "kv_dtype", torch.float32).itemsize
-    if backend == "int4":  # int4 reads its stores as they are: codes, scales, shifts and exact copies
-        assert c.read_bytes(N) == c.nbytes() < 2 * (8 + N) * 2 * H_KV * D * 4
+    if backend == "int4":  # int4 reads its codes, scales and shifts and the exact tokens held (not their buffers')
+        held = sum(t.numel() * 4 for layer in c.key_exact + c.value_exact for t in layer)
+        assert c.read_bytes(N) == c.nbytes() - sum(t.untyped_storage().nbytes() for layer in c.key_exact +
+                                                   c.value_exact for t in layer) + held
+        assert c.read_bytes(N) < 2 * (8 + N) * 2 * H_KV * D * 4
     else:  # the window caps layer 0 at 8 visible tokens: 2 rows x (8 + 40) tokens x K, V x Hkv x D x bytes
         assert c.read_bytes(N) == 2 * (8 + N) * 2 * H_KV * D * elem == 12288 * elem // 4
 

@@ -446,10 +446,41 @@ def test_nbytes_hand_count(scale_dtype, scale_bytes, rollback, exact):
     assert c.quantized_tokens(0) == 32 and c.exact_span(0) == (40 - exact, 40)
     groups = 2 * 64 * (32 // 32)  # keys: heads x channels x token groups; values: heads x 32 tokens x 2
     codes = groups * 32 // 2  # 32 codes of 4 bits per group
-    full = 2 * exact * 64 * 4  # heads x exact tokens x D x fp32 (with rollback 16: block 0 in both forms)
+    # the exact store: `exact` tokens (with rollback 16 block 0 in both forms) in a buffer with
+    # room for a sixteenth more (it is appended in place), heads x D x fp32
+    assert c.key_exact[0][0].shape[1] == exact
+    full = 2 * (exact + max(1, exact // 16)) * 64 * 4
     per_kind = codes + 2 * groups * scale_bytes + full  # codes, scales, shifts, exact copies
     assert c.nbytes() == 2 * per_kind  # K and V
     assert c.theoretical_bytes() == 40 * 2 * 2 * 64 * 4
+
+
+def test_exact_stores_are_appended_in_place_and_hold_every_token():
+    """200 decode steps after a 100-token prefill: each step writes its token into the exact
+    buffer (a new one only when its end is reached or a flush shrinks the store: not per
+    token, and never more than a sixteenth larger than what it holds), the store always holds
+    exactly positions [P0, len) as written, and a rollback followed by other tokens
+    overwrites the dropped ones in place."""
+    c = QuantizedCache(layout(), 1, 400, residual=20, group_size=32, rollback=8)
+    g = torch.Generator().manual_seed(3)
+    ks, vs = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
+    fill(c, ks[:, :, :100], vs[:, :, :100], torch.arange(100)[None])
+    buffers = set()
+    for t in range(100, 300):
+        fill(c, ks[:, :, t:t + 1], vs[:, :, t:t + 1], torch.tensor([[t]]))
+        p0, n = c.exact_span(0)
+        assert torch.equal(c.key_exact[0][0], ks[0, :, p0:n]) and torch.equal(c.value_exact[0][0], vs[0, :, p0:n])
+        buffers.add(c.key_exact[0][0].untyped_storage().data_ptr())
+        held = c.key_exact[0][0].shape[1]
+        assert held * 2 * 64 * 4 <= c.key_exact[0][0].untyped_storage().nbytes() <= (held + held // 16 + 1) * 2 * 64 * 4
+    # a fresh buffer leaves room for >= 1 token (27: the fewest exact tokens held), and
+    # a flush may make one: far fewer than one per token
+    assert len(buffers) <= 200 // 2 + 1
+    c.truncate([295])
+    other = torch.randn(1, 2, 5, 64, generator=g)
+    fill(c, other, other, torch.arange(295, 300)[None])
+    p0, n = c.exact_span(0)
+    assert torch.equal(c.key_exact[0][0][:, -5:], other[0]) and torch.equal(c.key_exact[0][0][:, :-5], ks[0, :, p0:295])
 
 
 def test_memory_ratio_smollm2_layout_at_4k():
@@ -459,6 +490,8 @@ def test_memory_ratio_smollm2_layout_at_4k():
     ratio, worst = bf16_ratio(lay, 4096), bf16_ratio(lay, at)
     print(f"int4 KV bytes at 4096 tokens: {ratio:.3f}x a bf16 dense cache ({worst:.3f}x at {at}: the fp32 "
           "exact store then holds residual + rollback + flush - 2 tokens)")
+    # the exact stores' buffers (appended in place) hold up to a sixteenth more than their
+    # tokens, never more than the high point's residual + rollback + flush
     assert at == 4094 and ratio <= 0.35 and worst < 0.37
 
 
@@ -519,4 +552,5 @@ def test_fill_random_leaves_what_a_one_pass_prefill_leaves():
     for row in range(2):
         assert a.quantized_tokens(row) == b.quantized_tokens(row) == 128  # V(149)
         assert a.exact_span(row) == b.exact_span(row) == (128, 150)  # P0 = min(Qs, V(142)) = 128
-    assert a.nbytes() == b.nbytes() and a.read_bytes(150) == a.nbytes()
+    assert a.nbytes() == b.nbytes()
+    assert a.read_bytes(150) == a.nbytes() - 2 * 2 * 2 * 1 * 2 * 64 * 4  # not the buffers' free token (22 // 16)

@@ -56,7 +56,9 @@ def test_sweep_every_cache_and_decoder_into_a_report_then_rerun_skips(tmp_path, 
         assert m["prompts"] == 2 and m["new_tokens"] == 12 and m["ttft_ms"] > 0 and m["kv_mib"] > 0
         if s["setup"]["cache"] == "int4":  # quantized K/V: logits move, the kept bytes shrink
             assert 1e-4 < m["agree_max_abs_dlogit"] < 1.0 and m["agree_top1"] >= 0.8
-            assert m["kv_mib"] < 0.75 * dense_mib[s["setup"]["decoder"]]
+            # 200 tokens: 64 quantized, the newest 136-142 exact in fp32 (in a buffer with up to a
+            # sixteenth of room for appends, cache/int4.py), against dense's 206 fp32 slots
+            assert m["kv_mib"] < 0.8 * dense_mib[s["setup"]["decoder"]]
         else:
             assert m["agree_top1"] == 1.0 and m["agree_max_abs_dlogit"] <= 1e-4
         spec = s["setup"]["decoder"] == "speculative"
