@@ -79,13 +79,15 @@ in both forms, and `nbytes` counts both.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_causal, reference_attention
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
-from decodelab.cache.kernels.int4 import Int4Rows, int4_attention_native, int4_attention_triton, native_serves
+from decodelab.cache.kernels.int4 import (Int4Rows, int4_attention_native, int4_attention_triton, NativeLayerCall,
+                                          native_serves)
 from decodelab.cache.static import HostPlan
 from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
@@ -275,6 +277,7 @@ class QuantizedCache(KVCache):
         self.value_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
         self.quantized_len = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
         self.exact_start = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
+        self._native_calls = {}  # layer -> its NativeLayerCall in compiled steps (`booked_layers`)
 
     # -- the rule ------------------------------------------------------------------
     def quantized_prefix(self, q):
@@ -290,6 +293,10 @@ class QuantizedCache(KVCache):
         """Book a forward (each row must continue at its length, right padding only) and
         plan it: what every layer stores, quantizes, reads (per window) and drops. A tree
         forward's queries read by their own positions (cache/tree.py)."""
+        if valid is None and rows is None and parents is None and positions.shape[-1] == 1:
+            one = self._one_token_plan(positions)
+            if one is not None:
+                return one
         before = self.lengths
         base = super().plan(positions, valid, rows, parents)
         r = base.cache_rows(self.batch_size)  # [b] the cache rows fed
@@ -322,6 +329,47 @@ class QuantizedCache(KVCache):
         return extend(base, Int4Plan, new_tokens=n.tolist(), exact_start=p0.tolist(), quantize_from=qs.tolist(),
                       quantize_to=q_to.tolist(), drop=(p0_new - p0).tolist(), views=views, fed=r.tolist(),
                       kernel_q=kernel_q, lengths=L.tolist())
+
+    def _one_token_plan(self, positions: torch.Tensor) -> Int4Plan | None:
+        """`plan` of a forward of one token per row, every row, each at its length (a decode
+        step), in Python integers: the same plan (tests/cache/test_int4.py compares them)
+        without `plan`'s few dozen tensor operations (a compiled step books one every step,
+        on the host between two graphs). None, having booked nothing, where it would differ
+        in form: a query whose view needs a mask (a window, padded rows, a cache read before
+        its exact start), or no quantized key yet (`plan` then checks the causal shortcut);
+        `plan` books those, and refuses whatever it refuses."""
+        pos = positions.detach().cpu()
+        at = pos.reshape(-1).tolist()
+        old = self.lengths.tolist()
+        if len(at) != self.batch_size or at != old or max(at) >= self.capacity:
+            return None
+        V = self.quantized_prefix
+        qs, p0 = self.quantized_len.tolist(), self.exact_start.tolist()
+        vis = [V(q) for q in at]
+        if any(v <= 0 or s > v for v, s in zip(vis, p0)):
+            return None
+        views = {}
+        for w in set(self.layout.windows):
+            lo = [0] * len(at) if w is None else [max(0, (q - w + 1) // self.align) * self.align for q in at]
+            if w is not None and any(a <= q - w or a >= v for a, q, v in zip(lo, at, vis)):
+                return None  # dequantized positions before the window (masked), or none in it
+            # dequantized [lo, V(q)), exact [V(q), q + 1): every row the same number of slots
+            views[w] = [View(0, 1, lo, vis, vis, [q + 1 for q in at], at[0] + 1 - lo[0], None, False, False)]
+            if any(q + 1 - a != at[0] + 1 - lo[0] for a, q in zip(lo, at)):
+                return None
+        L = [q + 1 for q in at]
+        q_to = [max(a, V(n - 1)) for a, n in zip(qs, L)]
+        p0_new = [max(a, min(b, V(n - self.rollback_limit))) for a, b, n in zip(p0, q_to, L)]
+        self.lengths = torch.tensor(L)
+        self.quantized_len, self.exact_start = torch.tensor(q_to), torch.tensor(p0_new)
+        kernel_q = None
+        if self.impl != "reference" and min(DECODE_QUERIES, self.attention_chunk) >= 1:
+            ix, dev = torch.long if self.impl == "native" else torch.int32, self.layout.device
+            kernel_q = (torch.tensor(at, dtype=ix).view(-1, 1).to(dev), torch.tensor(vis, dtype=ix).view(-1, 1).to(dev))
+        B = len(at)
+        return Int4Plan(pos, torch.ones(B, 1, dtype=torch.bool), None, new_tokens=[1] * B, exact_start=p0,
+                        quantize_from=qs, quantize_to=q_to, drop=[b - a for a, b in zip(p0, p0_new)], views=views,
+                        fed=list(range(B)), kernel_q=kernel_q, lengths=L)
 
     def _view(self, window, qeff, vis, a: int, exact_start: torch.Tensor, tree: Tree | None = None) -> View:
         """Key slots of every row for the queries at slots qeff [B, t] (columns a..a+t) in one
@@ -413,14 +461,78 @@ class QuantizedCache(KVCache):
         """Append each row's valid new tokens k, v [B, H, T, D] to its exact store; quantize
         the blocks [quantize_from, quantize_to) (one quanto call, the same bytes as block by block)."""
         for b, (n, row) in enumerate(zip(p.new_tokens, p.fed)):
-            start, q_from, q_to = p.exact_start[b], p.quantize_from[b], p.quantize_to[b]
-            for g, codes, exact, x in ((self.key_grouping, self.key_codes, self.key_exact, k),
-                                       (self.value_grouping, self.value_codes, self.value_exact, v)):
+            for exact, x in ((self.key_exact, k), (self.value_exact, v)):
                 if n:
                     exact[layer][row] = self._appended(exact[layer][row], x[b, :, :n])
-                if q_to > q_from:
+        self._quantize_due(layer, p)
+
+    def _quantize_due(self, layer: int, p: Int4Plan) -> None:
+        """Quantize each row's blocks [quantize_from, quantize_to) from its exact store."""
+        for b, row in enumerate(p.fed):
+            start, q_from, q_to = p.exact_start[b], p.quantize_from[b], p.quantize_to[b]
+            if q_to > q_from:
+                for g, codes, exact in ((self.key_grouping, self.key_codes, self.key_exact),
+                                        (self.value_grouping, self.value_codes, self.value_exact)):
                     new = exact[layer][row][:, q_from - start:q_to - start]  # [H, q_to - q_from, D]
                     codes[layer][row] = g.append(codes[layer][row], quantize(new, g, self.scale_dtype))
+
+    def booked_layers(self, plan: Int4Plan) -> list | None:
+        """A compiled step's host work for every layer at once, done before the step runs
+        (cache/static.py's `HostPlan.book`): each layer's due blocks quantized, the slots of
+        the new tokens reserved at the end of its exact stores, the exact copies no query
+        needs dropped, and its attention's arguments bound, so that the step's call per layer
+        only writes its K/V into those slots and attends: [n_layers] fn(q, k, v) -> out,
+        decodelab::int4_store_attend where the native kernel attends (one native call),
+        else a write and `attention`. The same stores, spans and kernel as `attend`'s, so
+        the same result to the bit. None (every layer runs `attend`) where the order of the
+        three matters: a tree, a forward whose due blocks hold its own tokens (longer than
+        `residual`), or one whose queries read exact keys the drop removes."""
+        rows = range(len(plan.fed))
+        if plan.tree is not None or any(plan.quantize_to[b] > plan.lengths[b] - plan.new_tokens[b] for b in rows):
+            return None
+        kept = [plan.exact_start[b] + plan.drop[b] for b in rows]  # each row's exact store starts here after the drop
+        if any(v.exact_to[b] > v.exact_from[b] and v.exact_from[b] < kept[b]
+               for views in plan.views.values() for v in views for b in rows):
+            return None
+        lay = self.layout
+        due, dropped, grown = any(a < b for a, b in zip(plan.quantize_from, plan.quantize_to)), any(plan.drop), \
+            [(n, row) for n, row in zip(plan.new_tokens, plan.fed) if n]
+        for layer in range(lay.n_layers):
+            if due:
+                self._quantize_due(layer, plan)
+            for exact in (self.key_exact[layer], self.value_exact[layer]):
+                for n, row in grown:
+                    exact[row] = self._reserved(exact[row], n)
+            if dropped:
+                self._flush(layer, plan)
+        spans = {}  # per window the native kernel attends: its spans (the same in every layer of the window)
+        for w, views in plan.views.items():
+            v = views[0]
+            if (self.impl == "native" and plan.kernel_q is not None and len(views) == 1
+                    and any(a < b for a, b in zip(v.dequant_from, v.dequant_to))):
+                spans[w] = [x for s in zip(v.dequant_from, v.dequant_to, v.exact_from, v.exact_to, kept) for x in s]
+        steps, fed, calls = [], plan.fed, self._native_calls
+        for layer, w in enumerate(lay.windows):
+            if w in spans:
+                if layer not in calls:
+                    calls[layer] = NativeLayerCall(lay.softmax_scale, w, self.key_grouping.size,
+                                                   self.value_grouping.size)
+                kc, vc, ke, ve = self.key_codes[layer], self.value_codes[layer], self.key_exact[layer], \
+                    self.value_exact[layer]
+                steps.append(calls[layer].update([kc[r] for r in fed], [vc[r] for r in fed], [ke[r] for r in fed],
+                                                 [ve[r] for r in fed], spans[w], plan.new_tokens, *plan.kernel_q))
+            else:
+                steps.append(partial(self._attend_booked, layer, plan))
+        return steps
+
+    def _attend_booked(self, layer: int, plan: Int4Plan, q, k, v) -> torch.Tensor:
+        """A layer of a step `booked_layers` prepared, where no native call serves: the new
+        K/V written into the reserved slots, then `attention`."""
+        for b, (n, row) in enumerate(zip(plan.new_tokens, plan.fed)):
+            for exact, x in ((self.key_exact, k), (self.value_exact, v)):
+                e = exact[layer][row]
+                e[:, e.shape[1] - n:].copy_(x[b, :, :n])
+        return self.attention(layer, q, plan)
 
     def _exact_capacity(self, tokens: int) -> int:
         """Tokens a fresh exact buffer holds for a store of `tokens`: those, plus room for a
@@ -432,20 +544,24 @@ class QuantizedCache(KVCache):
         return max(tokens, room)
 
     def _appended(self, store: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The exact store [H, n, D] with x [H, k, D] after it: written in place into the
-        buffer the store is a view of (one of these buffers: `_appended` makes them all)
-        where it has room after the store's end, else both copied into a fresh buffer
+        """The exact store [H, n, D] with x [H, k, D] after it (`_reserved`, then written)."""
+        out = self._reserved(store, x.shape[1])
+        out[:, store.shape[1]:].copy_(x)
+        return out
+
+    def _reserved(self, store: torch.Tensor, k: int) -> torch.Tensor:
+        """The exact store [H, n, D] grown by k slots after it, not written: a view of the
+        buffer the store is a view of (one of these buffers: `_reserved` makes them all)
+        where it has room after the store's end, else the store copied into a fresh buffer
         (`_exact_capacity(n + k)` tokens)."""
         H, n, D = store.shape
-        k, base = x.shape[1], store._base
-        if base is not None and store.stride(0) == base.stride(0):
+        base = store._base
+        if base is not None:
             a = (store.storage_offset() - base.storage_offset()) // D  # the store's first token in the buffer
-            if a + n + k <= base.shape[1]:
-                base.narrow(1, a + n, k).copy_(x)
+            if a + n + k <= base.shape[1] and store.stride(0) == base.stride(0):
                 return base.narrow(1, a, n + k)
         buf = torch.empty(H, self._exact_capacity(n + k), D, dtype=store.dtype, device=store.device)
         buf[:, :n] = store
-        buf[:, n:n + k] = x
         return buf[:, :n + k]
 
     def _flush(self, layer: int, p: Int4Plan) -> None:
@@ -615,6 +731,7 @@ class QuantizedCache(KVCache):
             self.value_codes[layer][row] = self.value_grouping.empty(H, D, sd, dev)
             self.key_exact[layer][row] = self.key_exact[layer][row][:, :0].clone()
             self.value_exact[layer][row] = self.value_exact[layer][row][:, :0].clone()
+        self._native_calls = {}  # (they may hold the row's freed stores)
         self.quantized_len, self.exact_start = self.quantized_len.clone(), self.exact_start.clone()
         self.quantized_len[row] = self.exact_start[row] = 0
 

@@ -22,7 +22,7 @@ import torch
 QTYPES = {4: "qint4", 2: "qint2"}  # nbits -> optimum-quanto qtype (imported on first use: 2.5 s)
 
 
-@dataclass
+@dataclass(frozen=True)
 class QStore:
     """One row's quantized K or V in one layer: quanto's packed codes, scales and shifts,
     laid out so that unpacking yields [H, tokens, D] directly (see `Grouping`)."""

@@ -201,9 +201,11 @@ class HostPlan:
     projections, norms, RoPE, MLPs, the head) is compiled as one graph; each layer's
     attention is one opaque call in it (`decodelab::host_attend`, a torch custom op whose
     output has q's fixed shape), which runs the backend's eager `attend` with the eager
-    plan booked before the step. vLLM's compiled models leave attention out of the graph
-    the same way (its `unified_attention` op). The per-step plan is the eager one, so the
-    step's attention is the eager path's to the bit; only the graph's float fusion differs.
+    plan booked before the step, or, where the backend can do every layer's host work
+    when the step is booked (`cache.booked_layers`), the one call per layer that leaves.
+    vLLM's compiled models leave attention out of the graph the same way (its
+    `unified_attention` op). The per-step plan is the eager one, so the step's attention is
+    the eager path's to the bit; only the graph's float fusion differs.
 
     On CUDA a captured graph would replay none of the host work: refused there (the
     backend says so in its `static_plan`)."""
@@ -215,6 +217,7 @@ class HostPlan:
         self.cache, self.tokens = cache, tokens
         self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         self.current = None  # the eager plan of the step about to run (`book`)
+        self.layers = None
         self.attended: set[int] = set()
         # a graph input (models/handles.py): every step of the same shapes reuses one compiled
         # graph; held weakly, so a dropped step frees its cache
@@ -226,6 +229,9 @@ class HostPlan:
             raise SetupError("a HostPlan books steps on the cache it was made for (cache.static_plan of this cache)")
         self.current = cache.plan(positions)
         self.attended = set()  # the layers that attended on it: each once (a second pass would store twice)
+        # the step's host work for all layers at once where the cache can, each layer's call then one
+        # write and one kernel (int4's `booked_layers`); None: each layer runs the cache's `attend`
+        self.layers = cache.booked_layers(self.current)
         self.pos.copy_(positions)
 
     def begin(self) -> None:
@@ -252,7 +258,7 @@ def _host_attend_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
         raise RuntimeError(f"layer {layer} attended twice on one booked step: its K/V would be stored twice; "
                            "book every step (HostPlan.book) before running it")
     plan.attended.add(layer)
-    out = plan.cache.attend(layer, q, k, v, plan.current)
+    out = plan.cache.attend(layer, q, k, v, plan.current) if plan.layers is None else plan.layers[layer](q, k, v)
     # exactly the fake's layout (q's strides): the compiled graph reads the result by the
     # strides the fake promised, unchecked (decoding/compiled.py's INDUCTOR_PATCHES), and an
     # attention may return another layout (the softcap path, a chunked long step's cat)

@@ -157,6 +157,8 @@ def _build() -> None:
             lambda q, k_pool, v_pool, table, pos, scale, window, k_scale=None, v_scale=None: q.new_empty(q.shape))
         torch.library.register_fake("decodelab::int4_decode_attention")(
             lambda q, *stores_and_options: q.new_empty(q.shape))
+        torch.library.register_fake("decodelab::int4_store_attend")(
+            lambda q, k, v, *stores_and_options: q.new_empty(q.shape))
     except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
         _problem = (f"loading decodelab's native kernels from {out} failed ({type(e).__name__}: {e}); delete "
                     f"{out.parent} to rebuild them")
@@ -287,3 +289,13 @@ def int4_decode_attention(q: torch.Tensor, stores: list[list[torch.Tensor]], spa
     exact_start), flattened; qpos, vis [B, T]: each query's position and V(q). Reads the packed codes in
     place -> [B, Hq, T, D] (the operator decodelab::int4_decode_attention)."""
     return _ops().int4_decode_attention(q, *stores, spans, qpos, vis, scale, window or 0, key_group, value_group)
+
+
+def int4_store_attend():
+    """The operator decodelab::int4_store_attend(q, k, v, fresh, *stores, spans, qpos, vis,
+    scale, window, key_group, value_group): `int4_decode_attention` (the same stores and
+    options) after writing each row b's first fresh[b] new tokens of k, v [B, Hkv, T, D]
+    into the last fresh[b] slots of its exact stores (which must have them, as views the
+    cache reserved). Returned as the bound operator, for a caller that prepares its
+    arguments once and calls it per layer (cache/int4.py's compiled step)."""
+    return _ops().int4_store_attend

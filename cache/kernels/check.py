@@ -169,7 +169,8 @@ def model_shape_cases(shapes: dict[str, tuple[int, int, int]]) -> list[Case]:
     for name, (Hq, Hkv, D) in shapes.items():
         for T in (1, 5):
             shape = dict(Hq=Hq, Hkv=Hkv, D=D, T=T)
-            cases.append(Case(f"paged-{name}-T{T}", paged_case, shape | dict(B=4, bs=16, lengths=(4000, 1000, 9000, 17))))
+            cases.append(Case(f"paged-{name}-T{T}", paged_case,
+                              shape | dict(B=4, bs=16, lengths=(4000, 1000, 9000, 17))))
             cases.append(Case(f"int4-{name}-T{T}", int4_case,
                               shape | dict(B=3, lengths=(6000, 700, 129), group_size=64, residual=112, flush=64)))
     return cases

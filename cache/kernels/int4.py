@@ -119,10 +119,54 @@ def int4_attention_native(q, rows: Int4Rows, qpos, vis, scale, window=None, soft
 
     if softcap is not None:
         raise ValueError("the native int4 attention has no logit softcap; use the reference")
-    k, v = rows.key_codes, rows.value_codes
-    stores = [[s.data for s in k], [s.scale for s in k], [s.offset for s in k], [s.data for s in v],
-              [s.scale for s in v], [s.offset for s in v], rows.key_exact, rows.value_exact]
-    spans = [x for span in zip(rows.dequant_from, rows.dequant_to, rows.exact_from, rows.exact_to, rows.exact_start)
-             for x in span]
-    return native.int4_decode_attention(q, stores, spans, qpos, vis, scale, window, rows.key_grouping.size,
-                                        rows.value_grouping.size)
+    return native.int4_decode_attention(q, _native_stores(rows), _native_spans(rows), qpos, vis, scale, window,
+                                        rows.key_grouping.size, rows.value_grouping.size)
+
+
+class NativeLayerCall:
+    """One layer's attention in a compiled step booked ahead (cache/int4.py's
+    `booked_layers`): fn(q, k, v) is one call of decodelab::int4_store_attend, which writes
+    each row's fresh[b] new K/V into the slots its exact stores reserved for them and
+    attends as `int4_attention_native` does, its stores, spans and options bound by
+    `update` before the step. Kept from step to step: the per-row lists of codes, scales
+    and shifts are rebuilt only when a store changed (a block quantized, a rollback)."""
+
+    __slots__ = ("op", "args", "codes")
+
+    def __init__(self, scale: float, window, key_group: int, value_group: int):
+        from decodelab.models import native
+
+        self.op = native.int4_store_attend()
+        # fresh, key codes, scales, shifts, value codes, scales, shifts, exact keys, values, spans, qpos, vis
+        self.args = [None] * 12 + [scale, window or 0, key_group, value_group]
+        self.codes = ()
+
+    def update(self, key_codes: list[QStore], value_codes: list[QStore], key_exact: list[torch.Tensor],
+               value_exact: list[torch.Tensor], spans: list[int], fresh: list[int], qpos, vis) -> NativeLayerCall:
+        """Bind this step's stores (per row, as `Int4Rows` holds them), spans (`_native_spans`'
+        order), new tokens per row and the queries' positions and V(q) [B, T]."""
+        codes, a = (*key_codes, *value_codes), self.args
+        if len(codes) != len(self.codes) or any(x is not y for x, y in zip(codes, self.codes)):
+            a[1:7] = _store_lists(key_codes, value_codes, key_exact, value_exact)[:6]
+            self.codes = codes
+        a[0], a[7], a[8], a[9], a[10], a[11] = fresh, key_exact, value_exact, spans, qpos, vis
+        return self
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.op(q, k, v, *self.args)
+
+
+def _native_stores(rows: Int4Rows) -> list[list[torch.Tensor]]:
+    """The stores as the native operators take them: per kind, one tensor per row."""
+    return _store_lists(rows.key_codes, rows.value_codes, rows.key_exact, rows.value_exact)
+
+
+def _store_lists(k: list[QStore], v: list[QStore], key_exact, value_exact) -> list[list[torch.Tensor]]:
+    return [[s.data for s in k], [s.scale for s in k], [s.offset for s in k], [s.data for s in v],
+            [s.scale for s in v], [s.offset for s in v], key_exact, value_exact]
+
+
+def _native_spans(rows: Int4Rows) -> list[int]:
+    """Per row (dequant_from, dequant_to, exact_from, exact_to, exact_start), flattened."""
+    return [x for span in zip(rows.dequant_from, rows.dequant_to, rows.exact_from, rows.exact_to, rows.exact_start)
+            for x in span]

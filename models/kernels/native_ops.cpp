@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <utility>
+
 extern "C" {
 void dl_int8_mm(const float*, int64_t, int64_t, const int8_t*, const float*, float*, int64_t);
 int dl_f32_mv(const float*, int64_t, const float*, int64_t, const float*, float*);
@@ -299,6 +302,41 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
     return out;
 }
 
+// A compiled step's int4 layer in one call: each row's new K/V (k, v [B, Hkv, T, D], the
+// first fresh[b] tokens of row b) written into the last fresh[b] slots of its exact stores
+// (views the cache reserved for them, read and written where they lie), then
+// int4_decode_attention over the stores.
+at::Tensor int4_store_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef fresh,
+                             at::TensorList kd, at::TensorList ks, at::TensorList ko, at::TensorList vd,
+                             at::TensorList vs, at::TensorList vo, at::TensorList ke, at::TensorList ve,
+                             at::IntArrayRef spans, const at::Tensor& qpos, const at::Tensor& vis, double scale,
+                             int64_t window, int64_t kg, int64_t vg) {
+    const char* w = "decodelab int4_store_attend: ";
+    int64_t B = q.dim() == 4 ? q.size(0) : -1;
+    TORCH_CHECK(B >= 0 && k.dim() == 4 && k.size(0) == B && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat &&
+                v.scalar_type() == at::kFloat && k.device().is_cpu() && v.device().is_cpu(), w,
+                "k and v must be float32 CPU tensors [B, Hkv, T, D] of q's B, got ", k.sizes(), " and ", v.sizes());
+    TORCH_CHECK((int64_t)fresh.size() == B && (int64_t)ke.size() == B && (int64_t)ve.size() == B, w,
+                "one count of new tokens and one exact store of each kind per row (", B, ")");
+    int64_t H = k.size(1), T = k.size(2), D = k.size(3);
+    auto kc = k.contiguous(), vc = v.contiguous();
+    for (int64_t b = 0; b < B; b++) {
+        int64_t n = fresh[b];
+        for (const auto& [x, e] : {std::pair{&kc, &ke[b]}, std::pair{&vc, &ve[b]}}) {
+            const at::Tensor& s = *e;
+            TORCH_CHECK(0 <= n && n <= T && s.dim() == 3 && s.size(0) == H && s.size(2) == D && s.size(1) >= n &&
+                        s.scalar_type() == at::kFloat && s.device().is_cpu() && s.stride(2) == 1 &&
+                        s.stride(1) == D, w, "row ", b, ": ", n, " new tokens of ", T, " into an exact store ",
+                        s.sizes(), " (float32 rows of ", D, " contiguous values, room for them)");
+            float* dst = s.data_ptr<float>() + (s.size(1) - n) * D;
+            const float* src = x->data_ptr<float>() + b * H * T * D;
+            for (int64_t h = 0; h < H; h++)
+                std::memcpy(dst + h * s.stride(0), src + h * T * D, sizeof(float) * n * D);
+        }
+    }
+    return int4_decode_attention(q, kd, ks, ko, vd, vs, vo, ke, ve, spans, qpos, vis, scale, window, kg, vg);
+}
+
 TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("f32_mv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
@@ -314,6 +352,9 @@ TORCH_LIBRARY(decodelab, m) {
     m.def("int4_decode_attention(Tensor q, Tensor[] kd, Tensor[] ks, Tensor[] ko, Tensor[] vd, Tensor[] vs, "
           "Tensor[] vo, Tensor[] ke, Tensor[] ve, int[] spans, Tensor qpos, Tensor vis, float scale, int window, "
           "int key_group, int value_group) -> Tensor");
+    m.def("int4_store_attend(Tensor q, Tensor k, Tensor v, int[] fresh, Tensor[] kd, Tensor[] ks, Tensor[] ko, "
+          "Tensor[] vd, Tensor[] vs, Tensor[] vo, Tensor(a!)[] ke, Tensor(b!)[] ve, int[] spans, Tensor qpos, "
+          "Tensor vis, float scale, int window, int key_group, int value_group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodelab, CompositeExplicitAutograd, m) {
@@ -329,4 +370,5 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("paged_decode_attention", &paged_decode_attention);
     m.impl("int4_dequant", &int4_dequant);
     m.impl("int4_decode_attention", &int4_decode_attention);
+    m.impl("int4_store_attend", &int4_store_attend);
 }

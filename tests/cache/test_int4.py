@@ -554,3 +554,125 @@ def test_fill_random_leaves_what_a_one_pass_prefill_leaves():
         assert a.exact_span(row) == b.exact_span(row) == (128, 150)  # P0 = min(Qs, V(142)) = 128
     assert a.nbytes() == b.nbytes()
     assert a.read_bytes(150) == a.nbytes() - 2 * 2 * 2 * 1 * 2 * 64 * 4  # not the buffers' free token (22 // 16)
+
+
+def _plans_equal(a, b) -> None:
+    """Two Int4Plans field by field (tensors by value)."""
+    for f in ("positions", "valid", "kernel_q"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None), f
+        if x is not None:
+            for s, t in zip(x if isinstance(x, tuple) else (x,), y if isinstance(y, tuple) else (y,)):
+                assert s.dtype == t.dtype and torch.equal(s, t), f
+    for f in ("rows", "tree", "new_tokens", "exact_start", "quantize_from", "quantize_to", "drop", "fed", "lengths"):
+        assert getattr(a, f) == getattr(b, f), f
+    assert a.views.keys() == b.views.keys()
+    for w in a.views:
+        assert len(a.views[w]) == len(b.views[w]) == 1
+        x, y = a.views[w][0], b.views[w][0]
+        assert x.mask is None and y.mask is None and x == y, (w, x, y)
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+@pytest.mark.parametrize("windows, ragged, taken_at_least, declined_at_least", [
+    ((None, 200), False, 140, 5),  # declines while nothing is quantized
+    ((None, 40), False, 3, 100),  # a sliding window: only where it starts at a group's start
+    ((None, 200), True, 0, 150),  # rows of different lengths: padded slots, masked
+])
+def test_one_token_plan_is_the_general_plan(impl, windows, ragged, taken_at_least, declined_at_least, monkeypatch):
+    """A decode step's plan in Python integers (`_one_token_plan`) equals `plan`'s general
+    path field by field, and leaves the same lengths and counts, over flushes, drops and
+    rollbacks; where it declines (nothing quantized yet, a masked window, padded rows) it
+    books nothing and the general path plans the step."""
+    if impl == "native":
+        from decodelab.models import native
+
+        if native.problem():
+            pytest.skip(native.problem())
+    lay = layout(n_layers=2, head_dim=16, windows=windows)
+    cache = QuantizedCache(lay, 2, 256, residual=4, group_size=32, flush=32, rollback=4, impl=impl)
+    g = torch.Generator().manual_seed(0)
+    T = 30
+    valid = torch.ones(2, T, dtype=torch.bool)
+    if ragged:
+        valid[1, 20:] = False  # rows of 30 and 20 tokens
+    fill(cache, torch.randn(2, 2, T, 16, generator=g), torch.randn(2, 2, T, 16, generator=g),
+         torch.arange(T).expand(2, T), valid)
+    general = QuantizedCache.plan
+    taken = declined = 0
+    for step in range(150):
+        if step % 17 == 16:  # a rollback within the limit
+            cache.truncate((cache.lengths - 3).tolist())
+        pos = cache.lengths[:, None].clone()
+        state = (cache.lengths, cache.quantized_len, cache.exact_start)
+        fast = cache._one_token_plan(pos)
+        after = (cache.lengths, cache.quantized_len, cache.exact_start)
+        cache.lengths, cache.quantized_len, cache.exact_start = state
+        full = general(cache, pos, torch.ones(2, 1, dtype=torch.bool))  # `valid` given: the general path
+        if fast is None:
+            declined += 1
+            assert all(x is y for x, y in zip(state, after))  # booked nothing
+        else:
+            taken += 1
+            _plans_equal(fast, full)
+            assert all(torch.equal(x, y) for x, y in zip(after, (cache.lengths, cache.quantized_len,
+                                                                  cache.exact_start)))
+        k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
+        q = torch.randn(2, 4, 1, 16, generator=g)
+        for layer in range(2):
+            cache.attend(layer, q, k, v, full)
+    assert taken >= taken_at_least and declined >= declined_at_least, (taken, declined)
+    monkeypatch.setattr(QuantizedCache, "_one_token_plan", lambda self, positions: pytest.fail("not asked"))
+    cache.plan(cache.lengths[:, None].clone(), torch.ones(2, 1, dtype=torch.bool))  # valid given: never asked
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+@pytest.mark.parametrize("windows, ragged", [((None, 200), False), ((None, 40), False), ((None, 40), True)])
+def test_booked_layers_are_attend_to_the_bit(impl, windows, ragged):
+    """A compiled step's host work done for every layer when the step is booked
+    (`booked_layers`: due blocks quantized, slots reserved, drops done first, then one call
+    per layer) gives each layer's `attend` output to the bit and leaves the same stores,
+    across flushes, drops, buffer growth, rollbacks, windows and rows of different lengths;
+    where the order matters (a forward longer than the residual) it declines."""
+    if impl == "native":
+        from decodelab.models import native
+
+        if native.problem():
+            pytest.skip(native.problem())
+    lay = layout(n_layers=2, head_dim=16, windows=windows)
+    caches = [QuantizedCache(lay, 2, 256, residual=4, group_size=32, flush=32, rollback=4, impl=impl)
+              for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    T = 30
+    valid = torch.ones(2, T, dtype=torch.bool)
+    if ragged:
+        valid[1, 20:] = False
+    k, v = torch.randn(2, 2, T, 16, generator=g), torch.randn(2, 2, T, 16, generator=g)
+    for c in caches:
+        fill(c, k, v, torch.arange(T).expand(2, T), valid)
+    booked = natives = 0
+    for step in range(120):
+        if step % 23 == 22:
+            for c in caches:
+                c.truncate((c.lengths - 2).tolist())
+        tokens = 2 if step % 11 == 5 else 1  # now and then a verify-sized forward
+        pos = caches[0].lengths[:, None] + torch.arange(tokens)
+        k, v = torch.randn(2, 2, tokens, 16, generator=g), torch.randn(2, 2, tokens, 16, generator=g)
+        q = torch.randn(2, 4, tokens, 16, generator=g)
+        a, b = (c.plan(pos) for c in caches)
+        steps = caches[1].booked_layers(b)
+        assert steps is not None
+        booked += 1
+        natives += sum(not hasattr(s, "func") for s in steps)  # a native call, not a partial of _attend_booked
+        for layer in range(2):
+            assert torch.equal(caches[0].attend(layer, q, k, v, a), steps[layer](q, k, v))
+    for layer in range(2):
+        for row in range(2):
+            for x, y in zip(caches[0].read(layer, row), caches[1].read(layer, row)):
+                assert torch.equal(x, y)
+            assert caches[0].key_exact[layer][row].shape == caches[1].key_exact[layer][row].shape
+    assert natives > (100 if impl == "native" else -1) and (impl == "native" or natives == 0), natives
+    # residual + flush tokens: a block it quantizes holds some of its own tokens, stored only in its attend
+    long = caches[1].plan(caches[1].lengths[:, None] + torch.arange(36))
+    assert max(q - (n - 36) for q, n in zip(long.quantize_to, long.lengths)) > 0
+    assert caches[1].booked_layers(long) is None

@@ -181,16 +181,31 @@ INT4_PROMPTS = [random_ids(30, seed=7), random_ids(20, seed=8)]
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("same_length", [False, True])
 @torch.no_grad()
-def test_static_int4_step_is_the_eager_int4_step(tiny_llama, mode):
+def test_static_int4_step_is_the_eager_int4_step(tiny_llama, mode, same_length, monkeypatch):
     """int4's compiled step (a `HostPlan`: the model traced, each layer's int4 attention one
-    opaque host call on the eager plan booked before the step): the same tokens and logits
-    as plain int4 decode steps, across a block quantized mid-decode in both rows."""
+    opaque host call, its host work done for every layer when the step is booked): the same
+    tokens and logits as plain int4 decode steps, across a block quantized mid-decode in
+    both rows; rows of one length take the integer decode plan, as every step of the
+    static path books its layers ahead."""
+    used = {"booked": 0, "one_token": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            used[name] += out is not None
+            return out
+        return wrapper
+
+    monkeypatch.setattr(QuantizedCache, "booked_layers", counted("booked", QuantizedCache.booked_layers))
+    monkeypatch.setattr(QuantizedCache, "_one_token_plan", counted("one_token", QuantizedCache._one_token_plan))
     model = tiny_llama.model
+    prompts = [INT4_PROMPTS[0], random_ids(30, seed=8)] if same_length else INT4_PROMPTS
     runs = []
     for static_step in (False, True):
         cache = cache_for(model, 2, 96, INT4)
-        last, out = prefill(model, cache, INT4_PROMPTS).argmax(-1), []
+        last, out = prefill(model, cache, prompts).argmax(-1), []
         kw = dict(mode=mode, backend="eager") if mode == "compile" else dict(mode=mode)
         step = StaticDecoder(model, cache, **kw).step if static_step else (
             lambda t: model(t[:, None], cache.lengths[:, None], cache)[:, -1])
@@ -200,6 +215,9 @@ def test_static_int4_step_is_the_eager_int4_step(tiny_llama, mode):
             last = logits.argmax(-1)
         assert cache.quantized_len.tolist() == [32, 32]  # a block was quantized during the decode
         runs.append(torch.stack(out, 1))
+    assert used["booked"] == 24  # every static step
+    # eager and static steps once a block is quantized (positions 35 on; before, nothing to dequantize)
+    assert used["one_token"] == (2 * (24 - 5) if same_length else 0)
     assert torch.equal(runs[0].argmax(-1), runs[1].argmax(-1))
     assert (runs[0] - runs[1]).abs().max().item() < 1e-4
 
@@ -605,10 +623,12 @@ def test_a_zeroed_compile_cache_is_rebuilt_with_the_same_tokens(tmp_path):
     assert "torch's compile cache entry" in again.stderr and again.stdout == first.stdout
 
 
-def test_host_attention_returns_the_layout_its_fake_promises(tiny_llama):
+@pytest.mark.parametrize("via", ["attend", "booked_layers"])
+def test_host_attention_returns_the_layout_its_fake_promises(tiny_llama, via):
     """The compiled graph reads `decodelab::host_attend`'s result by the strides of its fake
     (q's), unchecked: an attention that returns another layout (a softcap path, a chunked
-    step's cat) is copied into q's layout, values unchanged. A HostPlan books only its own cache."""
+    step's cat) is copied into q's layout, values unchanged, whether the layer runs the
+    cache's `attend` or the call its `booked_layers` left. A HostPlan books only its own cache."""
     from decodelab.cache.static import HostPlan
 
     model = tiny_llama.model
@@ -618,11 +638,16 @@ def test_host_attention_returns_the_layout_its_fake_promises(tiny_llama):
     assert isinstance(plan, HostPlan)
     with pytest.raises(SetupError, match="books steps on the cache it was made for"):
         plan.book(other, torch.zeros(2, 3, dtype=torch.long))
+    want = torch.randn(2, 4, 3, 16)  # contiguous [B, Hq, T, D]: not q's layout
+    # the backend's attention, stood in for
+    if via == "attend":
+        cache.booked_layers = lambda p: None
+        cache.attend = lambda layer, q_, k_, v_, p: want
+    else:
+        cache.booked_layers = lambda p: [lambda q_, k_, v_: want] * cache.layout.n_layers
     plan.book(cache, torch.arange(3).expand(2, 3))
     q = torch.randn(2, 3, 4, 16).transpose(1, 2)  # [B, Hq, T, D] as the model makes it: strides of [B, T, Hq, D]
     k, v = torch.randn(2, 3, 2, 16).transpose(1, 2), torch.randn(2, 3, 2, 16).transpose(1, 2)
-    want = torch.randn(2, 4, 3, 16)  # contiguous [B, Hq, T, D]: not q's layout
-    cache.attend = lambda layer, q_, k_, v_, p: want  # the backend's eager attention, stood in for
     out = plan.attend(0, q, k, v)
     assert out.stride() == q.stride() and torch.equal(out, want)
     assert plan.attend(1, q, k, v).shape == q.shape  # each layer once per booked step ...
