@@ -831,6 +831,7 @@ static void int4_values_avx2(const Int4Item* it) {
 
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
 
+
 /* 16 scales or shifts of an int4 cache from element i (scale8's, 16 wide) */
 static inline AVX512 __m512 scale16(const void* p, int kind, int64_t i) {
     if (kind == 2) return _mm512_loadu_ps((const float*)p + i);
@@ -888,6 +889,117 @@ static inline AVX512 __attribute__((always_inline)) void key_rows512(const int J
     }
 }
 
+/* exp8, 16 lanes */
+static inline AVX512 __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(e));
+}
+
+/* exp_sum, 16 lanes */
+static inline AVX512 float exp_sum512(float* e, int64_t n, float mx) {
+    __m512 m = _mm512_set1_ps(mx), acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = exp16(_mm512_sub_ps(_mm512_loadu_ps(e + i), m));
+        _mm512_storeu_ps(e + i, v);
+        acc = _mm512_add_ps(acc, v);
+    }
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        __m512 v = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, e + i), m)));
+        _mm512_mask_storeu_ps(e + i, k, v);
+        acc = _mm512_add_ps(acc, v);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* Exact keys [s0, s1) (rows of D floats at ke + s D) against JN (1..4) query heads qh + j qs
+   (D % 16 == 0): two tokens a step, 8 sums reduced together; score x scale to sc[j * ss + s - s0]. */
+static inline AVX512 __attribute__((always_inline)) void exact_keys512(const int JN, const float* ke, int64_t s0,
+        int64_t s1, const float* qh, int64_t qs, int64_t D, float scale, float* sc, int64_t ss) {
+    __m256 sv = _mm256_set1_ps(scale);
+    for (int64_t s = s0; s < s1; s += 2) {
+        const float *k0 = ke + s * D, *k1 = s + 1 < s1 ? k0 + D : k0;
+        __m512 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 x0 = _mm512_loadu_ps(k0 + d), x1 = _mm512_loadu_ps(k1 + d);
+            for (int j = 0; j < JN; j++) {
+                __m512 qv = _mm512_loadu_ps(qh + j * qs + d);
+                a[j] = _mm512_fmadd_ps(x0, qv, a[j]);
+                a[4 + j] = _mm512_fmadd_ps(x1, qv, a[4 + j]);
+            }
+        }
+        float l[8];
+        _mm256_storeu_ps(l, _mm256_mul_ps(hsum8_512(a), sv));
+        for (int j = 0; j < JN; j++) {
+            sc[j * ss + (s - s0)] = l[j];
+            if (s + 1 < s1) sc[j * ss + (s + 1 - s0)] = l[4 + j];
+        }
+    }
+}
+
+/* Exact values [s0, s1) (rows of D floats at ve + s D) weighted by w[j * ss + s - s0] into
+   o + j * os (j < JN <= 4; D % 16 == 0): 16 channels at a time, the sums kept in registers. */
+static inline AVX512 __attribute__((always_inline)) void exact_values512(const int JN, const float* ve, int64_t s0,
+        int64_t s1, const float* w, int64_t ss, int64_t D, float* o, int64_t os) {
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 a[4];
+        for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
+        for (int64_t s = s0; s < s1; s++) {
+            __m512 x = _mm512_loadu_ps(ve + s * D + d);
+            for (int j = 0; j < JN; j++) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * ss + (s - s0)]), x, a[j]);
+        }
+        for (int j = 0; j < JN; j++) _mm512_storeu_ps(o + j * os + d, _mm512_add_ps(_mm512_loadu_ps(o + j * os + d), a[j]));
+    }
+}
+
+/* The exact part of an int4 item, 512 bits wide: scores of [s0, s1) (ke rows, sc from column
+   0), or (values) the weights in sc times the ve rows into pr's outputs; g heads, 4 at a time. */
+static AVX512 void int4_exact_512(const Int4Item* it, int values, const float* rows, int64_t s0, int64_t s1,
+                                  float* sc) {
+    int64_t D = it->D, g = it->g, ss = it->span;
+    for (int64_t j0 = 0; j0 < g; j0 += 4) {
+        int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+        if (values) {
+            float* o = it->pr + j0 * (D + 2) + 2;
+            const float* w = sc + j0 * ss;
+            switch (jn) {
+                case 1: exact_values512(1, rows, s0, s1, w, ss, D, o, D + 2); break;
+                case 2: exact_values512(2, rows, s0, s1, w, ss, D, o, D + 2); break;
+                case 3: exact_values512(3, rows, s0, s1, w, ss, D, o, D + 2); break;
+                default: exact_values512(4, rows, s0, s1, w, ss, D, o, D + 2); break;
+            }
+        } else {
+            const float* qh = it->qh + j0 * it->T * D;
+            float* out = sc + j0 * ss;
+            switch (jn) {
+                case 1: exact_keys512(1, rows, s0, s1, qh, it->T * D, D, it->scale, out, ss); break;
+                case 2: exact_keys512(2, rows, s0, s1, qh, it->T * D, D, it->scale, out, ss); break;
+                case 3: exact_keys512(3, rows, s0, s1, qh, it->T * D, D, it->scale, out, ss); break;
+                default: exact_keys512(4, rows, s0, s1, qh, it->T * D, D, it->scale, out, ss); break;
+            }
+        }
+    }
+}
+
+/* exp_sum where the item runs 512 bits wide */
+static AVX512 float exp_sum_wide(float* e, int64_t n, float mx) { return exp_sum512(e, n, mx); }
+
 /* int4_keys_avx2 with 512-bit vectors (D % 16 == 0). It writes the scores of whole byte rows,
    so also those of up to KG - 1 positions either side of [pa, pb): sc has KG floats of margin
    there (Int4Item.sc), and what lands past pb is overwritten or never read. */
@@ -923,25 +1035,32 @@ static AVX512 void int4_keys_512(const Int4Item* it) {
     }
 }
 
-/* value_cols with 512-bit vectors: 16 bytes of each token's row (32 channels) */
-static inline AVX512 __attribute__((always_inline)) void value_cols512(const int JN, const uint8_t* row,
+/* value_cols with 512-bit vectors: 16 P bytes of each token's row (P = 1: bytes r .. r + 16,
+   channels r.. and r + VR..; P = 2: also the next 16 bytes), each weight broadcast once. */
+static inline AVX512 __attribute__((always_inline)) void value_cols512(const int JN, const int P, const uint8_t* row,
         int64_t step, int64_t n, const float* wv, int64_t ws, float* o, int64_t os, int64_t VR) {
-    __m512 lo[4], hi[4];
-    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+    __m512 acc[4][4];  /* [head][piece lo, piece hi, piece 2 lo, piece 2 hi] */
+    for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_ps();
     const __m512i mask = _mm512_set1_epi32(0x0F);
     for (int64_t s = 0; s < n; s++) {
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + s * step)));
-        __m512 cl = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), ch = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        __m512 c[4];
+        for (int i = 0; i < P; i++) {
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + s * step + 16 * i)));
+            c[2 * i] = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask));
+            c[2 * i + 1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        }
         for (int j = 0; j < JN; j++) {
             __m512 w = _mm512_set1_ps(wv[j * ws + s]);
-            lo[j] = _mm512_fmadd_ps(w, cl, lo[j]);
-            hi[j] = _mm512_fmadd_ps(w, ch, hi[j]);
+            for (int i = 0; i < 2 * P; i++) acc[j][i] = _mm512_fmadd_ps(w, c[i], acc[j][i]);
         }
     }
     for (int j = 0; j < JN; j++) {
         float* oj = o + j * os;
-        _mm512_storeu_ps(oj, _mm512_add_ps(_mm512_loadu_ps(oj), lo[j]));
-        _mm512_storeu_ps(oj + VR, _mm512_add_ps(_mm512_loadu_ps(oj + VR), hi[j]));
+        for (int i = 0; i < P; i++) {
+            _mm512_storeu_ps(oj + 16 * i, _mm512_add_ps(_mm512_loadu_ps(oj + 16 * i), acc[j][2 * i]));
+            _mm512_storeu_ps(oj + VR + 16 * i, _mm512_add_ps(_mm512_loadu_ps(oj + VR + 16 * i), acc[j][2 * i + 1]));
+        }
     }
 }
 
@@ -984,18 +1103,26 @@ static AVX512 void int4_values_512(const Int4Item* it) {
             for (int64_t d = 0; d < VG; d++) o[d] += f;
         }
         const uint8_t* rows0 = it->vd + (pa * NV + gi) * VR;
-        for (int64_t r = 0; r < VR; r += 16)
+        for (int64_t r = 0; r < VR; r += 32) {  /* 32 bytes a pass where the group has them, else 16 */
+            int two = r + 32 <= VR;
             for (int64_t j0 = 0; j0 < g; j0 += 4) {
                 int jn = g - j0 < 4 ? (int)(g - j0) : 4;
                 float* o = pr + j0 * (D + 2) + 2 + gi * VG + r;
                 const float* w = wv + j0 * span;
-                switch (jn) {
-                    case 1: value_cols512(1, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
-                    case 2: value_cols512(2, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
-                    case 3: value_cols512(3, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
-                    default: value_cols512(4, rows0 + r, NV * VR, n, w, span, o, D + 2, VR); break;
+                const uint8_t* rr = rows0 + r;
+                int64_t st = NV * VR;
+                switch (jn + 4 * two) {
+                    case 1: value_cols512(1, 1, rr, st, n, w, span, o, D + 2, VR); break;
+                    case 2: value_cols512(2, 1, rr, st, n, w, span, o, D + 2, VR); break;
+                    case 3: value_cols512(3, 1, rr, st, n, w, span, o, D + 2, VR); break;
+                    case 4: value_cols512(4, 1, rr, st, n, w, span, o, D + 2, VR); break;
+                    case 5: value_cols512(1, 2, rr, st, n, w, span, o, D + 2, VR); break;
+                    case 6: value_cols512(2, 2, rr, st, n, w, span, o, D + 2, VR); break;
+                    case 7: value_cols512(3, 2, rr, st, n, w, span, o, D + 2, VR); break;
+                    default: value_cols512(4, 2, rr, st, n, w, span, o, D + 2, VR); break;
                 }
             }
+        }
     }
 }
 
@@ -1087,7 +1214,8 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
             int64_t ea = e0 + (a0 > nq ? a0 - nq : 0), eb = e0 + (a1 > nq ? a1 - nq : 0);
             const float* keh = ke[b] + hk * m[7];
             const float* veh = ve[b] + hk * m[8];
-            for (int64_t s = ea; s < eb; s++) {
+            if (wide && eb > ea) int4_exact_512(&item, 0, keh + (ea - p0) * D, 0, eb - ea, item.sc + nqc);
+            for (int64_t s = wide ? eb : ea; s < eb; s++) {
                 const float* kr = keh + (s - p0) * D;
                 for (int64_t j = 0; j < g; j++) {
                     const float* qr = item.qh + j * T * D;
@@ -1101,13 +1229,14 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
             for (int64_t j = 0; j < g; j++) {
                 float mx = max_of(item.sc + j * ss, cnt);
                 pr[j * (D + 2)] = mx;
-                pr[j * (D + 2) + 1] = exp_sum(item.sc + j * ss, cnt, mx);
+                pr[j * (D + 2) + 1] = wide ? exp_sum_wide(item.sc + j * ss, cnt, mx) : exp_sum(item.sc + j * ss, cnt, mx);
             }
             if (nqc > 0) {
                 if (wide) int4_values_512(&item);
                 else int4_values_avx2(&item);
             }
-            for (int64_t s = ea; s < eb; s++) {
+            if (wide && eb > ea) int4_exact_512(&item, 1, veh + (ea - p0) * D, 0, eb - ea, item.sc + nqc);
+            for (int64_t s = wide ? eb : ea; s < eb; s++) {
                 const float* vr = veh + (s - p0) * D;
                 for (int64_t j = 0; j < g; j++) {
                     float* o = pr + j * (D + 2) + 2;
