@@ -275,9 +275,62 @@ class QuantizedCache(KVCache):
         self.value_codes = [[vg.empty(H, D, sd, dev) for _ in range(B)] for _ in range(L)]
         self.key_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]  # [H, len - P0, D] each
         self.value_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
+        self._behind = None  # per row: tokens held past every exact view's end (`booked_layers`), or None
         self.quantized_len = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
         self.exact_start = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
         self._native_calls = {}  # layer -> its NativeLayerCall in compiled steps (`booked_layers`)
+
+    # -- the exact stores, as views that may lag behind (a compiled step's booking) ------
+    @property
+    def key_exact(self) -> list[list[torch.Tensor]]:
+        """[layer][row] the exact keys [H, len - P0, D] (views of wider buffers)."""
+        if self._behind is not None:
+            self._catch_up()
+        return self._key_exact
+
+    @key_exact.setter
+    def key_exact(self, stores) -> None:
+        self._key_exact, self._behind = stores, None
+
+    @property
+    def value_exact(self) -> list[list[torch.Tensor]]:
+        """[layer][row] the exact values, as `key_exact`."""
+        if self._behind is not None:
+            self._catch_up()
+        return self._value_exact
+
+    @value_exact.setter
+    def value_exact(self, stores) -> None:
+        self._value_exact, self._behind = stores, None
+
+    def _catch_up(self) -> None:
+        """Grow every exact view over the tokens its buffer holds past its end (`_behind`,
+        left by the booked steps of `booked_layers`, which wrote them without new views)."""
+        behind, self._behind = self._behind, None
+        for stores in (self._key_exact, self._value_exact):
+            for layer in stores:
+                for row, n in enumerate(behind):
+                    if n:
+                        e = layer[row]
+                        a = (e.storage_offset() - e._base.storage_offset()) // e.shape[2]
+                        layer[row] = e._base.narrow(1, a, e.shape[1] + n)
+
+    def _room_behind(self, fed: list[int]) -> list[int] | None:
+        """Per row of `fed`, the tokens every layer's exact buffers have room for past their
+        views' ends, where every layer's views of the row hold the same tokens (else None)."""
+        room = []
+        for row in fed:
+            free, size = None, self._key_exact[0][row].shape[1]
+            for stores in (self._key_exact, self._value_exact):
+                for layer in stores:
+                    e = layer[row]
+                    base = e._base
+                    if base is None or e.shape[1] != size or e.stride(0) != base.stride(0):
+                        return None
+                    a = (e.storage_offset() - base.storage_offset()) // e.shape[2]
+                    free = base.shape[1] - a - size if free is None else min(free, base.shape[1] - a - size)
+            room.append(free)
+        return room
 
     # -- the rule ------------------------------------------------------------------
     def quantized_prefix(self, q):
@@ -497,6 +550,9 @@ class QuantizedCache(KVCache):
         lay = self.layout
         due, dropped, grown = any(a < b for a, b in zip(plan.quantize_from, plan.quantize_to)), any(plan.drop), \
             [(n, row) for n, row in zip(plan.new_tokens, plan.fed) if n]
+        held = self._held_behind(plan) if not (due or dropped) else None
+        if held is not None:
+            return held
         for layer in range(lay.n_layers):
             if due:
                 self._quantize_due(layer, plan)
@@ -510,7 +566,8 @@ class QuantizedCache(KVCache):
             v = views[0]
             if (self.impl == "native" and plan.kernel_q is not None and len(views) == 1
                     and any(a < b for a, b in zip(v.dequant_from, v.dequant_to))):
-                spans[w] = [x for s in zip(v.dequant_from, v.dequant_to, v.exact_from, v.exact_to, kept) for x in s]
+                spans[w] = [x for s in zip(v.dequant_from, v.dequant_to, v.exact_from, v.exact_to, kept,
+                                           [0] * len(kept)) for x in s]  # the views hold every token: 0 behind
         steps, fed, calls = [], plan.fed, self._native_calls
         for layer, w in enumerate(lay.windows):
             if w in spans:
@@ -523,6 +580,51 @@ class QuantizedCache(KVCache):
                                                  [ve[r] for r in fed], spans[w], plan.new_tokens, *plan.kernel_q))
             else:
                 steps.append(partial(self._attend_booked, layer, plan))
+        return steps
+
+    def _held_behind(self, plan: Int4Plan) -> list | None:
+        """`booked_layers` of a step that only appends (nothing due, nothing dropped) and
+        that the native kernel attends in every layer, where every exact buffer has room:
+        the new tokens are held past the views' ends (`_behind`, per row, the same in every
+        layer; the views grow over them when anything else reads the stores, `_catch_up`),
+        so that booking the step touches no layer's stores: the calls keep their arguments
+        but this step's spans (each row's tokens behind in the sixth) and queries. None
+        where it cannot (the caller then books every layer)."""
+        views = plan.views
+        if self.impl != "native" or plan.kernel_q is None or any(
+                len(v) != 1 or not any(a < b for a, b in zip(v[0].dequant_from, v[0].dequant_to))
+                for v in views.values()):
+            return None
+        fed, new, lay = plan.fed, plan.new_tokens, self.layout
+        if self._behind is not None and fed != self._behind_rows:
+            self._catch_up()  # other rows than the calls were bound to
+        entering = self._behind is None
+        room = self._room_behind(fed) if entering else [self._room[r] for r in fed]
+        if room is None or any(n > r for n, r in zip(new, room)):
+            return None
+        if entering:
+            self._behind, self._room, self._behind_rows = [0] * self.batch_size, [0] * self.batch_size, fed
+        behind = self._behind
+        for n, row, r in zip(new, fed, room):
+            behind[row] += n
+            self._room[row] = r - n
+        spans = {w: [x for s in zip(v[0].dequant_from, v[0].dequant_to, v[0].exact_from, v[0].exact_to,
+                                    plan.exact_start, [behind[r] for r in fed]) for x in s] for w, v in views.items()}
+        steps, calls = [], self._native_calls
+        for layer, w in enumerate(lay.windows):
+            call = calls.get(layer)
+            if entering or call is None:
+                if call is None:
+                    call = calls[layer] = NativeLayerCall(lay.softmax_scale, w, self.key_grouping.size,
+                                                          self.value_grouping.size)
+                kc, vc, ke, ve = self.key_codes[layer], self.value_codes[layer], self._key_exact[layer], \
+                    self._value_exact[layer]
+                call.update([kc[r] for r in fed], [vc[r] for r in fed], [ke[r] for r in fed], [ve[r] for r in fed],
+                            spans[w], new, *plan.kernel_q)
+            else:  # nothing read or changed the stores since the last booked step: the same views and codes
+                a = call.args
+                a[0], a[9], a[10], a[11] = new, spans[w], *plan.kernel_q
+            steps.append(call)
         return steps
 
     def _attend_booked(self, layer: int, plan: Int4Plan, q, k, v) -> torch.Tensor:

@@ -294,8 +294,9 @@ def int4_decode_attention(q: torch.Tensor, stores: list[list[torch.Tensor]], spa
 def int4_store_attend():
     """The operator decodelab::int4_store_attend(q, k, v, fresh, *stores, spans, qpos, vis,
     scale, window, key_group, value_group): `int4_decode_attention` (the same stores and
-    options) after writing each row b's first fresh[b] new tokens of k, v [B, Hkv, T, D]
-    into the last fresh[b] slots of its exact stores (which must have them, as views the
-    cache reserved). Returned as the bound operator, for a caller that prepares its
+    options; spans 6 per row, its 5 and `extra`) over each row's exact stores taken extra[b]
+    tokens past their views' ends (slots their buffers hold), after writing the row's first
+    fresh[b] new tokens of k, v [B, Hkv, T, D] into the last fresh[b] of them (checked to lie
+    in the stores' storage). Returned as the bound operator, for a caller that prepares its
     arguments once and calls it per layer (cache/int4.py's compiled step)."""
     return _ops().int4_store_attend

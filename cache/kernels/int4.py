@@ -143,8 +143,10 @@ class NativeLayerCall:
 
     def update(self, key_codes: list[QStore], value_codes: list[QStore], key_exact: list[torch.Tensor],
                value_exact: list[torch.Tensor], spans: list[int], fresh: list[int], qpos, vis) -> NativeLayerCall:
-        """Bind this step's stores (per row, as `Int4Rows` holds them), spans (`_native_spans`'
-        order), new tokens per row and the queries' positions and V(q) [B, T]."""
+        """Bind this step's stores (per row, as `Int4Rows` holds them), spans (per row
+        `_native_spans`' five, then the tokens the exact stores hold past their views' ends,
+        the new ones included: decodelab::int4_store_attend), new tokens per row and the
+        queries' positions and V(q) [B, T]."""
         codes, a = (*key_codes, *value_codes), self.args
         if len(codes) != len(self.codes) or any(x is not y for x, y in zip(codes, self.codes)):
             a[1:7] = _store_lists(key_codes, value_codes, key_exact, value_exact)[:6]

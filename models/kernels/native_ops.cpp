@@ -302,10 +302,12 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
     return out;
 }
 
-// A compiled step's int4 layer in one call: each row's new K/V (k, v [B, Hkv, T, D], the
-// first fresh[b] tokens of row b) written into the last fresh[b] slots of its exact stores
-// (views the cache reserved for them, read and written where they lie), then
-// int4_decode_attention over the stores.
+// A compiled step's int4 layer in one call: each row's exact stores taken extra[b] tokens
+// past their ends (the slots the cache holds there without having grown its views:
+// cache/int4.py's booked steps; 0 where the views already cover them), the row's first
+// fresh[b] new K/V (k, v [B, Hkv, T, D]) written into the last fresh[b] of those slots, then
+// int4_decode_attention over the stores. spans: 6 per row, int4_decode_attention's 5 and
+// extra. Every slot written or read is checked to lie in the store's storage.
 at::Tensor int4_store_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef fresh,
                              at::TensorList kd, at::TensorList ks, at::TensorList ko, at::TensorList vd,
                              at::TensorList vs, at::TensorList vo, at::TensorList ke, at::TensorList ve,
@@ -316,25 +318,36 @@ at::Tensor int4_store_attend(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(B >= 0 && k.dim() == 4 && k.size(0) == B && v.sizes() == k.sizes() && k.scalar_type() == at::kFloat &&
                 v.scalar_type() == at::kFloat && k.device().is_cpu() && v.device().is_cpu(), w,
                 "k and v must be float32 CPU tensors [B, Hkv, T, D] of q's B, got ", k.sizes(), " and ", v.sizes());
-    TORCH_CHECK((int64_t)fresh.size() == B && (int64_t)ke.size() == B && (int64_t)ve.size() == B, w,
-                "one count of new tokens and one exact store of each kind per row (", B, ")");
+    TORCH_CHECK((int64_t)fresh.size() == B && (int64_t)ke.size() == B && (int64_t)ve.size() == B &&
+                (int64_t)spans.size() == 6 * B, w,
+                "one count of new tokens, one exact store of each kind and 6 spans per row (", B, ")");
     int64_t H = k.size(1), T = k.size(2), D = k.size(3);
     auto kc = k.contiguous(), vc = v.contiguous();
+    std::vector<at::Tensor> kg_(B), vg_(B);
+    std::vector<int64_t> sp(5 * B);
     for (int64_t b = 0; b < B; b++) {
-        int64_t n = fresh[b];
-        for (const auto& [x, e] : {std::pair{&kc, &ke[b]}, std::pair{&vc, &ve[b]}}) {
-            const at::Tensor& s = *e;
-            TORCH_CHECK(0 <= n && n <= T && s.dim() == 3 && s.size(0) == H && s.size(2) == D && s.size(1) >= n &&
-                        s.scalar_type() == at::kFloat && s.device().is_cpu() && s.stride(2) == 1 &&
-                        s.stride(1) == D, w, "row ", b, ": ", n, " new tokens of ", T, " into an exact store ",
-                        s.sizes(), " (float32 rows of ", D, " contiguous values, room for them)");
-            float* dst = s.data_ptr<float>() + (s.size(1) - n) * D;
-            const float* src = x->data_ptr<float>() + b * H * T * D;
+        int64_t n = fresh[b], extra = spans[6 * b + 5];
+        for (int i = 0; i < 5; i++) sp[5 * b + i] = spans[6 * b + i];
+        for (int kind = 0; kind < 2; kind++) {
+            const at::Tensor& s = kind ? ve[b] : ke[b];
+            TORCH_CHECK(0 <= n && n <= T && extra >= 0 && s.dim() == 3 && s.size(0) == H && s.size(2) == D &&
+                        s.size(1) + extra >= n && s.scalar_type() == at::kFloat && s.device().is_cpu() &&
+                        s.stride(2) == 1 && s.stride(1) == D && (H == 1 || s.stride(0) >= D), w, "row ", b, ": ", n,
+                        " new tokens of ", T, " into an exact store ", s.sizes(), " held ", extra,
+                        " tokens past its end (float32 rows of ", D, " contiguous values, room for them)");
+            int64_t E = s.size(1) + extra;
+            int64_t last = s.storage_offset() + (H - 1) * s.stride(0) + E * D;  /* one past the last element */
+            TORCH_CHECK(last * (int64_t)sizeof(float) <= (int64_t)s.storage().nbytes(), w, "row ", b,
+                        ": an exact store held ", extra, " tokens past its end runs past its storage");
+            at::Tensor g = extra ? s.as_strided({H, E, D}, {s.stride(0), D, 1}) : s;
+            float* dst = g.data_ptr<float>() + (E - n) * D;
+            const float* src = (kind ? vc : kc).data_ptr<float>() + b * H * T * D;
             for (int64_t h = 0; h < H; h++)
-                std::memcpy(dst + h * s.stride(0), src + h * T * D, sizeof(float) * n * D);
+                std::memcpy(dst + h * g.stride(0), src + h * T * D, sizeof(float) * n * D);
+            (kind ? vg_ : kg_)[b] = g;
         }
     }
-    return int4_decode_attention(q, kd, ks, ko, vd, vs, vo, ke, ve, spans, qpos, vis, scale, window, kg, vg);
+    return int4_decode_attention(q, kd, ks, ko, vd, vs, vo, kg_, vg_, sp, qpos, vis, scale, window, kg, vg);
 }
 
 TORCH_LIBRARY(decodelab, m) {

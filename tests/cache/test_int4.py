@@ -632,8 +632,10 @@ def test_booked_layers_are_attend_to_the_bit(impl, windows, ragged):
     """A compiled step's host work done for every layer when the step is booked
     (`booked_layers`: due blocks quantized, slots reserved, drops done first, then one call
     per layer) gives each layer's `attend` output to the bit and leaves the same stores,
-    across flushes, drops, buffer growth, rollbacks, windows and rows of different lengths;
-    where the order matters (a forward longer than the residual) it declines."""
+    across flushes, drops, buffer growth, rollbacks, windows and rows of different lengths,
+    also where it holds the new tokens past the exact views' ends (`_held_behind`) and the
+    views catch up only when read; where the order matters (a forward longer than the
+    residual) it declines."""
     if impl == "native":
         from decodelab.models import native
 
@@ -650,7 +652,7 @@ def test_booked_layers_are_attend_to_the_bit(impl, windows, ragged):
     k, v = torch.randn(2, 2, T, 16, generator=g), torch.randn(2, 2, T, 16, generator=g)
     for c in caches:
         fill(c, k, v, torch.arange(T).expand(2, T), valid)
-    booked = natives = 0
+    booked = natives = held = 0
     for step in range(120):
         if step % 23 == 22:
             for c in caches:
@@ -663,6 +665,7 @@ def test_booked_layers_are_attend_to_the_bit(impl, windows, ragged):
         steps = caches[1].booked_layers(b)
         assert steps is not None
         booked += 1
+        held += caches[1]._behind is not None  # booked without growing the views (`_held_behind`)
         natives += sum(not hasattr(s, "func") for s in steps)  # a native call, not a partial of _attend_booked
         for layer in range(2):
             assert torch.equal(caches[0].attend(layer, q, k, v, a), steps[layer](q, k, v))
@@ -672,6 +675,8 @@ def test_booked_layers_are_attend_to_the_bit(impl, windows, ragged):
                 assert torch.equal(x, y)
             assert caches[0].key_exact[layer][row].shape == caches[1].key_exact[layer][row].shape
     assert natives > (100 if impl == "native" else -1) and (impl == "native" or natives == 0), natives
+    # the views lag behind on most native steps where every layer reads codes (not the sliding layer's)
+    assert held > (40 if impl == "native" and windows == (None, 200) else -1) and (impl == "native" or held == 0), held
     # residual + flush tokens: a block it quantizes holds some of its own tokens, stored only in its attend
     long = caches[1].plan(caches[1].lengths[:, None] + torch.arange(36))
     assert max(q - (n - 36) for q, n in zip(long.quantize_to, long.lengths)) > 0
