@@ -276,6 +276,7 @@ class QuantizedCache(KVCache):
         self.key_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]  # [H, len - P0, D] each
         self.value_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
         self._behind = None  # per row: tokens held past every exact view's end (`booked_layers`), or None
+        self._all_valid = None
         self.quantized_len = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
         self.exact_start = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
         self._native_calls = {}  # layer -> its NativeLayerCall in compiled steps (`booked_layers`)
@@ -413,14 +414,22 @@ class QuantizedCache(KVCache):
         L = [q + 1 for q in at]
         q_to = [max(a, V(n - 1)) for a, n in zip(qs, L)]
         p0_new = [max(a, min(b, V(n - self.rollback_limit))) for a, b, n in zip(p0, q_to, L)]
+        # new tensors where a count changed (never written in place: the next plan replaces them)
         self.lengths = torch.tensor(L)
-        self.quantized_len, self.exact_start = torch.tensor(q_to), torch.tensor(p0_new)
+        if q_to != qs:
+            self.quantized_len = torch.tensor(q_to)
+        if p0_new != p0:
+            self.exact_start = torch.tensor(p0_new)
         kernel_q = None
         if self.impl != "reference" and min(DECODE_QUERIES, self.attention_chunk) >= 1:
             ix, dev = torch.long if self.impl == "native" else torch.int32, self.layout.device
-            kernel_q = (torch.tensor(at, dtype=ix).view(-1, 1).to(dev), torch.tensor(vis, dtype=ix).view(-1, 1).to(dev))
+            kernel_q = (torch.tensor([[q] for q in at], dtype=ix), torch.tensor([[v] for v in vis], dtype=ix))
+            if dev.type != "cpu":
+                kernel_q = tuple(t.to(dev) for t in kernel_q)
         B = len(at)
-        return Int4Plan(pos, torch.ones(B, 1, dtype=torch.bool), None, new_tokens=[1] * B, exact_start=p0,
+        if self._all_valid is None or self._all_valid.shape[0] != B:
+            self._all_valid = torch.ones(B, 1, dtype=torch.bool)  # shared by these plans, read only
+        return Int4Plan(pos, self._all_valid, None, new_tokens=[1] * B, exact_start=p0,
                         quantize_from=qs, quantize_to=q_to, drop=[b - a for a, b in zip(p0, p0_new)], views=views,
                         fed=list(range(B)), kernel_q=kernel_q, lengths=L)
 
@@ -784,6 +793,7 @@ class QuantizedCache(KVCache):
         new = torch.as_tensor(lengths, dtype=torch.long).cpu().reshape(-1)
         raise_if(self._truncate_problems(new))
         super().truncate(new)
+        self.quantized_len = self.quantized_len.clone()  # (a plan may hold the one it left)
         for b, n in enumerate(new.tolist()):
             qs, p0 = int(self.quantized_len[b]), int(self.exact_start[b])
             keep = min(qs, n // self.flush * self.flush)
