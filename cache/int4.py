@@ -86,8 +86,8 @@ import torch
 from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_causal, reference_attention
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
-from decodelab.cache.kernels.int4 import (Int4Rows, int4_attention_native, int4_attention_triton, NativeLayerCall,
-                                          native_serves)
+from decodelab.cache.kernels.int4 import (Int4Rows, NativeLayerCall, bind_native_step, int4_attention_native,
+                                          int4_attention_triton, native_serves)
 from decodelab.cache.static import HostPlan
 from decodelab.cache.tree import Tree, tree_visible
 from decodelab.models.errors import SetupError, raise_if
@@ -896,6 +896,8 @@ class QuantizedCache(KVCache):
                                "its attention plans and quantizes on the host every forward, which a captured "
                                "CUDA graph would not replay; decode with compile=false (its Triton kernel "
                                "decodes there)")
+        if self.impl == "native":  # its layers through decodelab::int4_host_attend (cache/static.py)
+            return HostPlan(self, tokens, bind=bind_native_step)
         return HostPlan(self, tokens)
 
     def static_view(self):

@@ -20,6 +20,8 @@ traced with the model into one graph.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from decodelab.cache.base import StaticView, reference_attention
@@ -212,9 +214,13 @@ class HostPlan:
 
     traced = True  # the model is traced into one graph with the host calls inside
 
-    def __init__(self, cache, tokens: int = 1):
+    def __init__(self, cache, tokens: int = 1, bind=None):
         register_attend_op("host_attend", _host_attend_impl)
         self.cache, self.tokens = cache, tokens
+        # `bind(handle, layers)` hands each booked step to a C++ attention op of the backend's
+        # (int4: decodelab::int4_host_attend, which calls host_attend for what it is not given),
+        # which the graph then calls instead: no Python between the graph and the kernel
+        self.bind = bind
         self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         self.current = None  # the eager plan of the step about to run (`book`)
         self.layers = None
@@ -222,6 +228,10 @@ class HostPlan:
         # a graph input (models/handles.py): every step of the same shapes reuses one compiled
         # graph; held weakly, so a dropped step frees its cache
         self.handle = _HOST_PLANS.add(self)
+        self.key = int(self.handle)
+        self.op = torch.ops.decodelab.int4_host_attend if bind is not None else None
+        if bind is not None:  # what the C++ op holds for this plan goes with it
+            weakref.finalize(self, torch.ops.decodelab.int4_host_drop, self.key)
 
     def book(self, cache, positions: torch.Tensor) -> None:
         """Host side of a step: plan it on the cache (its eager plan, kept for the calls)."""
@@ -232,6 +242,8 @@ class HostPlan:
         # the step's host work for all layers at once where the cache can, each layer's call then one
         # write and one kernel (int4's `booked_layers`); None: each layer runs the cache's `attend`
         self.layers = cache.booked_layers(self.current)
+        if self.bind is not None:
+            self.bind(self.key, self.layers)
         self.pos.copy_(positions)
 
     def begin(self) -> None:
@@ -239,6 +251,8 @@ class HostPlan:
 
     def attend(self, layer: int, q, k, v):
         """The layer's attention through the opaque op (traced as one call)."""
+        if self.op is not None:
+            return self.op(q, k, v, layer, self.handle)
         return torch.ops.decodelab.host_attend(q, k, v, layer, self.handle)
 
 

@@ -159,6 +159,8 @@ def _build() -> None:
             lambda q, *stores_and_options: q.new_empty(q.shape))
         torch.library.register_fake("decodelab::int4_store_attend")(
             lambda q, k, v, *stores_and_options: q.new_empty(q.shape))
+        torch.library.register_fake("decodelab::int4_host_attend")(
+            lambda q, k, v, layer, handle: torch.empty_like(q))
     except Exception as e:  # a cached library this torch cannot load: say so; never half-registered
         _problem = (f"loading decodelab's native kernels from {out} failed ({type(e).__name__}: {e}); delete "
                     f"{out.parent} to rebuild them")

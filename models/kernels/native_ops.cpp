@@ -5,7 +5,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 extern "C" {
@@ -350,6 +355,104 @@ at::Tensor int4_store_attend(const at::Tensor& q, const at::Tensor& k, const at:
     return int4_decode_attention(q, kd, ks, ko, vd, vs, vo, kg_, vg_, sp, qpos, vis, scale, window, kg, vg);
 }
 
+// A compiled step's int4 attention without Python in between (cache/int4.py's booked steps):
+// per HostPlan (its handle), each layer's stores and options and, per window slot, each
+// step's new-token counts, spans and queries, bound from Python when they change
+// (int4_host_layer, int4_host_step), and which layers this step may attend (int4_host_arm).
+// int4_host_attend(q, k, v, layer, handle) then runs int4_store_attend on what is bound, or,
+// for a layer armed with nothing, calls decodelab::host_attend (the Python path).
+namespace {
+struct BoundLayer {
+    std::vector<at::Tensor> st[8];  // key codes, scales, shifts, value codes, scales, shifts, exact keys, values
+    int64_t slot = 0, window = 0, kg = 0, vg = 0;
+    double scale = 0;
+};
+struct BoundStep {
+    std::vector<int64_t> fresh, spans;
+    at::Tensor qpos, vis;
+};
+struct HostState {
+    std::vector<std::shared_ptr<BoundLayer>> layers;
+    std::vector<std::shared_ptr<BoundStep>> slots;
+    std::vector<char> armed;  // per layer: 0 the Python path, 1 bound for this step, 2 attended this step
+};
+std::mutex host_mu;
+std::unordered_map<int64_t, HostState> host_states;
+}  // namespace
+
+void int4_host_layer(int64_t handle, int64_t layer, int64_t slot, at::TensorList kd, at::TensorList ks,
+                     at::TensorList ko, at::TensorList vd, at::TensorList vs, at::TensorList vo, at::TensorList ke,
+                     at::TensorList ve, double scale, int64_t window, int64_t kg, int64_t vg) {
+    TORCH_CHECK(layer >= 0 && slot >= 0, "decodelab int4_host_layer: layer and slot must be >= 0");
+    auto b = std::make_shared<BoundLayer>();
+    at::TensorList lists[8] = {kd, ks, ko, vd, vs, vo, ke, ve};
+    for (int i = 0; i < 8; i++) b->st[i] = lists[i].vec();
+    b->slot = slot; b->window = window; b->kg = kg; b->vg = vg; b->scale = scale;
+    std::lock_guard<std::mutex> g(host_mu);
+    auto& h = host_states[handle];
+    if ((int64_t)h.layers.size() <= layer) h.layers.resize(layer + 1);
+    h.layers[layer] = std::move(b);
+}
+
+void int4_host_step(int64_t handle, int64_t slot, at::IntArrayRef fresh, at::IntArrayRef spans, const at::Tensor& qpos,
+                    const at::Tensor& vis) {
+    TORCH_CHECK(slot >= 0, "decodelab int4_host_step: slot must be >= 0");
+    auto s = std::make_shared<BoundStep>();
+    s->fresh = fresh.vec(); s->spans = spans.vec(); s->qpos = qpos; s->vis = vis;
+    std::lock_guard<std::mutex> g(host_mu);
+    auto& h = host_states[handle];
+    if ((int64_t)h.slots.size() <= slot) h.slots.resize(slot + 1);
+    h.slots[slot] = std::move(s);
+}
+
+void int4_host_arm(int64_t handle, at::IntArrayRef layers) {
+    std::lock_guard<std::mutex> g(host_mu);
+    auto& h = host_states[handle];
+    h.armed.assign(layers.size(), 0);
+    for (size_t i = 0; i < layers.size(); i++) {
+        bool bound = layers[i] && (int64_t)i < (int64_t)h.layers.size() && h.layers[i] &&
+                     h.layers[i]->slot < (int64_t)h.slots.size() && h.slots[h.layers[i]->slot];
+        TORCH_CHECK(!layers[i] || bound, "decodelab int4_host_arm: layer ", i, " armed with nothing bound");
+        h.armed[i] = layers[i] ? 1 : 0;
+    }
+}
+
+void int4_host_drop(int64_t handle) {
+    std::lock_guard<std::mutex> g(host_mu);
+    host_states.erase(handle);
+}
+
+at::Tensor int4_host_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer,
+                            const at::Tensor& handle) {
+    int64_t key = handle.item<int64_t>();
+    std::shared_ptr<BoundLayer> b;
+    std::shared_ptr<BoundStep> s;
+    {
+        std::lock_guard<std::mutex> g(host_mu);
+        auto it = host_states.find(key);
+        if (it != host_states.end() && layer >= 0 && layer < (int64_t)it->second.armed.size() &&
+            it->second.armed[layer]) {
+            TORCH_CHECK(it->second.armed[layer] == 1, "layer ", layer, " attended twice on one booked step: its K/V ",
+                        "would be stored twice; book every step (HostPlan.book) before running it");
+            it->second.armed[layer] = 2;
+            b = it->second.layers[layer];
+            s = it->second.slots[b->slot];
+        }
+    }
+    if (!b) {
+        static auto python = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("decodelab::host_attend", "")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                   const at::Tensor&)>();
+        return python.call(q, k, v, layer, handle);
+    }
+    at::Tensor out = int4_store_attend(q, k, v, s->fresh, b->st[0], b->st[1], b->st[2], b->st[3], b->st[4], b->st[5],
+                                       b->st[6], b->st[7], s->spans, s->qpos, s->vis, b->scale, b->window, b->kg,
+                                       b->vg);
+    if (out.strides() == q.strides()) return out;
+    return at::empty_like(q).copy_(out);  // the layout the graph reads it by (q's: its fake's)
+}
+
 TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("f32_mv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
@@ -368,10 +471,21 @@ TORCH_LIBRARY(decodelab, m) {
     m.def("int4_store_attend(Tensor q, Tensor k, Tensor v, int[] fresh, Tensor[] kd, Tensor[] ks, Tensor[] ko, "
           "Tensor[] vd, Tensor[] vs, Tensor[] vo, Tensor(a!)[] ke, Tensor(b!)[] ve, int[] spans, Tensor qpos, "
           "Tensor vis, float scale, int window, int key_group, int value_group) -> Tensor");
+    m.def("int4_host_layer(int handle, int layer, int slot, Tensor[] kd, Tensor[] ks, Tensor[] ko, Tensor[] vd, "
+          "Tensor[] vs, Tensor[] vo, Tensor[] ke, Tensor[] ve, float scale, int window, int key_group, "
+          "int value_group) -> ()");
+    m.def("int4_host_step(int handle, int slot, int[] fresh, int[] spans, Tensor qpos, Tensor vis) -> ()");
+    m.def("int4_host_arm(int handle, int[] layers) -> ()");
+    m.def("int4_host_drop(int handle) -> ()");
+    m.def("int4_host_attend(Tensor q, Tensor k, Tensor v, int layer, Tensor handle) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodelab, CompositeExplicitAutograd, m) {
     m.impl("isa", &isa);
+    m.impl("int4_host_layer", &int4_host_layer);
+    m.impl("int4_host_step", &int4_host_step);
+    m.impl("int4_host_arm", &int4_host_arm);
+    m.impl("int4_host_drop", &int4_host_drop);
 }
 
 TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
@@ -384,4 +498,5 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int4_dequant", &int4_dequant);
     m.impl("int4_decode_attention", &int4_decode_attention);
     m.impl("int4_store_attend", &int4_store_attend);
+    m.impl("int4_host_attend", &int4_host_attend);
 }

@@ -200,6 +200,10 @@ def test_static_int4_step_is_the_eager_int4_step(tiny_llama, mode, same_length, 
 
     monkeypatch.setattr(QuantizedCache, "booked_layers", counted("booked", QuantizedCache.booked_layers))
     monkeypatch.setattr(QuantizedCache, "_one_token_plan", counted("one_token", QuantizedCache._one_token_plan))
+    from decodelab.cache.kernels.int4 import NativeLayerCall
+
+    python_calls = []  # the native layers run in decodelab::int4_host_attend, never through Python
+    monkeypatch.setattr(NativeLayerCall, "__call__", lambda self, q, k, v: python_calls.append(1))
     model = tiny_llama.model
     prompts = [INT4_PROMPTS[0], random_ids(30, seed=8)] if same_length else INT4_PROMPTS
     runs = []
@@ -215,7 +219,7 @@ def test_static_int4_step_is_the_eager_int4_step(tiny_llama, mode, same_length, 
             last = logits.argmax(-1)
         assert cache.quantized_len.tolist() == [32, 32]  # a block was quantized during the decode
         runs.append(torch.stack(out, 1))
-    assert used["booked"] == 24  # every static step
+    assert used["booked"] == 24 and not python_calls  # every static step; its native layers in C++
     # eager and static steps once a block is quantized (positions 35 on; before, nothing to dequantize)
     assert used["one_token"] == (2 * (24 - 5) if same_length else 0)
     assert torch.equal(runs[0].argmax(-1), runs[1].argmax(-1))
@@ -694,3 +698,47 @@ def test_native_paged_attention_reads_the_blocks_in_place(threads, window, T, gr
     empty = torch.zeros(Hkv, 0, bs, D)  # no block at all: refused, never read
     with pytest.raises(RuntimeError, match="shapes"):
         native.paged_decode_attention(q, empty, empty, torch.full((B, M), -1), pos, 0.25, window)
+
+
+@torch.no_grad()
+def test_int4_host_attend_is_the_booked_layers_call():
+    """decodelab::int4_host_attend, the C++ op a native int4 HostPlan's graph calls: each layer
+    bit-identical to the eager `attend` of a twin cache, in q's layout, step after step
+    (booked steps that hold their tokens past the views included); a layer attended twice
+    on one booking is refused; a layer it was given nothing for goes to the Python path."""
+    from decodelab.cache.base import CacheLayout
+    from decodelab.cache.static import HostPlan
+    from decodelab.models import native
+
+    if native.problem():
+        pytest.skip(native.problem())
+    lay = CacheLayout(2, 2, 16, torch.float32, torch.device("cpu"), (None, None), softmax_scale=0.25)
+    caches = [QuantizedCache(lay, 1, 256, residual=4, group_size=32, flush=32, impl="native") for _ in range(2)]
+    for c in caches:
+        c.fill_random(100)
+    plan = caches[1].static_plan(1)
+    assert isinstance(plan, HostPlan) and plan.op is not None
+    g = torch.Generator().manual_seed(3)
+    held = 0
+    for step in range(40):
+        pos = caches[0].lengths[:, None].clone()
+        eager = caches[0].plan(pos)
+        plan.book(caches[1], pos)
+        held += caches[1]._behind is not None
+        q = torch.randn(1, 1, 4, 16, generator=g).transpose(1, 2)  # [B, Hq, T, D] with the model's strides
+        k, v = (torch.randn(1, 1, 2, 16, generator=g).transpose(1, 2) for _ in range(2))
+        for layer in range(2):
+            out = plan.attend(layer, q, k, v)
+            assert out.stride() == q.stride()
+            assert torch.equal(out, caches[0].attend(layer, q, k, v, eager))
+        with pytest.raises(RuntimeError, match="layer 1 attended twice on one booked step"):
+            plan.attend(1, q, k, v)
+    assert held > 20
+    for x, y in zip(caches[0].read(1, 0), caches[1].read(1, 0)):
+        assert torch.equal(x, y)
+    plan.book(caches[1], caches[1].lengths[:, None].clone())
+    torch.ops.decodelab.int4_host_arm(plan.key, [0, 1])  # layer 0 given nothing: the Python path attends it
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g)
+    plan.attend(0, q, k, v)
+    assert plan.attended == {0}
