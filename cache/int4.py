@@ -56,6 +56,16 @@ One forward (all of it planned once, in `plan`, the value every layer's `attend`
    KIVI axes, fp32).
 3. drop the exact copies no future query can need: P0 <- max(P0, min(Qs, V(len - rollback))).
 
+A compiled step (cache/static.py's `HostPlan`) does 1 and 3 for every layer when the step
+is booked, before the graph runs (`booked_layers`: a decode step's due block never holds its
+own tokens, and its query reads no exact key the drop removes; otherwise it declines and
+each layer runs `attend`), so that each layer's call in the graph only writes its K/V into
+the slots reserved for them and attends: with the native kernel, one C++ op
+(decodelab::int4_host_attend), no Python. A step that only appends books without touching
+any layer's stores: the new tokens are held past the exact views' ends (`_behind`) and the
+views catch up when anything reads `key_exact` / `value_exact`. A decode step's plan is
+computed in Python integers (`_one_token_plan`, the same value as the general `plan`).
+
 Why step 3 is exact (the rule for keeping full precision). A later forward starts at the
 row's length at that time, L'; its queries q >= L' need exact keys only at p >= V(q) >=
 V(L'). After this forward a truncate may take the row back by at most `rollback` tokens

@@ -28,6 +28,8 @@ asks for the AVX2 form, `isa(1)` for VNNI where the CPU has it; tests compare th
 The int4 cache's decode attention (`int4_decode_attention`) reads its codes 512 bits wide at
 the same level (head size a multiple of 16, value groups of 32 channels or more; else AVX2):
 the same arithmetic in another order, each form within float rounding of the reference.
+A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound
+stores per step plan and runs `int4_store_attend` (write the new K/V, then attend) on them.
 The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute
 (`ROWS_AHEAD`) and keep their per-call buffers across calls (no allocation per product).
 
