@@ -96,7 +96,7 @@ import torch
 from decodelab.cache.base import CacheLayout, KVCache, Plan, extend, is_plain_causal, reference_attention
 from decodelab.cache.int4_codec import QTYPES, Grouping, QStore, dequantize_into, effective_group, quantize
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl
-from decodelab.cache.kernels.int4 import (Int4Rows, NativeLayerCall, bind_native_step, int4_attention_native,
+from decodelab.cache.kernels.int4 import (Int4Rows, NativeHost, NativeLayerCall, int4_attention_native,
                                           int4_attention_triton, native_serves)
 from decodelab.cache.static import HostPlan
 from decodelab.cache.tree import Tree, tree_visible
@@ -286,6 +286,7 @@ class QuantizedCache(KVCache):
         self.key_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]  # [H, len - P0, D] each
         self.value_exact = [[torch.empty(H, 0, D, **kw) for _ in range(B)] for _ in range(L)]
         self._behind = None  # per row: tokens held past every exact view's end (`booked_layers`), or None
+        self._room, self._behind_rows = [], []  # with it: per row the slots left past them; the rows bound
         self._all_valid = None
         self.quantized_len = torch.zeros(B, dtype=torch.long)  # [B] tokens in the quantized store (Qs)
         self.exact_start = torch.zeros(B, dtype=torch.long)  # [B] first position of the exact store (P0)
@@ -323,8 +324,7 @@ class QuantizedCache(KVCache):
                 for row, n in enumerate(behind):
                     if n:
                         e = layer[row]
-                        a = (e.storage_offset() - e._base.storage_offset()) // e.shape[2]
-                        layer[row] = e._base.narrow(1, a, e.shape[1] + n)
+                        layer[row] = e._base.narrow(1, _buffer_start(e), e.shape[1] + n)
 
     def _room_behind(self, fed: list[int]) -> list[int] | None:
         """Per row of `fed`, the tokens every layer's exact buffers have room for past their
@@ -338,8 +338,8 @@ class QuantizedCache(KVCache):
                     base = e._base
                     if base is None or e.shape[1] != size or e.stride(0) != base.stride(0):
                         return None
-                    a = (e.storage_offset() - base.storage_offset()) // e.shape[2]
-                    free = base.shape[1] - a - size if free is None else min(free, base.shape[1] - a - size)
+                    left = base.shape[1] - _buffer_start(e) - size
+                    free = left if free is None else min(free, left)
             room.append(free)
         return room
 
@@ -580,26 +580,11 @@ class QuantizedCache(KVCache):
                     exact[row] = self._reserved(exact[row], n)
             if dropped:
                 self._flush(layer, plan)
-        spans = {}  # per window the native kernel attends: its spans (the same in every layer of the window)
-        for w, views in plan.views.items():
-            v = views[0]
-            if (self.impl == "native" and plan.kernel_q is not None and len(views) == 1
-                    and any(a < b for a, b in zip(v.dequant_from, v.dequant_to))):
-                spans[w] = [x for s in zip(v.dequant_from, v.dequant_to, v.exact_from, v.exact_to, kept,
-                                           [0] * len(kept)) for x in s]  # the views hold every token: 0 behind
-        steps, fed, calls = [], plan.fed, self._native_calls
-        for layer, w in enumerate(lay.windows):
-            if w in spans:
-                if layer not in calls:
-                    calls[layer] = NativeLayerCall(lay.softmax_scale, w, self.key_grouping.size,
-                                                   self.value_grouping.size)
-                kc, vc, ke, ve = self.key_codes[layer], self.value_codes[layer], self.key_exact[layer], \
-                    self.value_exact[layer]
-                steps.append(calls[layer].update([kc[r] for r in fed], [vc[r] for r in fed], [ke[r] for r in fed],
-                                                 [ve[r] for r in fed], spans[w], plan.new_tokens, *plan.kernel_q))
-            else:
-                steps.append(partial(self._attend_booked, layer, plan))
-        return steps
+        # per window the native kernel attends: its spans (the same in every layer; the views hold every token)
+        spans = {w: self._spans(views[0], kept, [0] * len(kept)) for w, views in plan.views.items()
+                 if self._native_view(plan, views)}
+        return [self._bound_call(layer, plan, spans[w]) if w in spans else partial(self._attend_booked, layer, plan)
+                for layer, w in enumerate(lay.windows)]
 
     def _held_behind(self, plan: Int4Plan) -> list | None:
         """`booked_layers` of a step that only appends (nothing due, nothing dropped) and
@@ -610,11 +595,9 @@ class QuantizedCache(KVCache):
         but this step's spans (each row's tokens behind in the sixth) and queries. None
         where it cannot (the caller then books every layer)."""
         views = plan.views
-        if self.impl != "native" or plan.kernel_q is None or any(
-                len(v) != 1 or not any(a < b for a, b in zip(v[0].dequant_from, v[0].dequant_to))
-                for v in views.values()):
+        if not all(self._native_view(plan, v) for v in views.values()):
             return None
-        fed, new, lay = plan.fed, plan.new_tokens, self.layout
+        fed, new = plan.fed, plan.new_tokens
         if self._behind is not None and fed != self._behind_rows:
             self._catch_up()  # other rows than the calls were bound to
         entering = self._behind is None
@@ -627,24 +610,43 @@ class QuantizedCache(KVCache):
         for n, row, r in zip(new, fed, room):
             behind[row] += n
             self._room[row] = r - n
-        spans = {w: [x for s in zip(v[0].dequant_from, v[0].dequant_to, v[0].exact_from, v[0].exact_to,
-                                    plan.exact_start, [behind[r] for r in fed]) for x in s] for w, v in views.items()}
-        steps, calls = [], self._native_calls
-        for layer, w in enumerate(lay.windows):
-            call = calls.get(layer)
+        spans = {w: self._spans(v[0], plan.exact_start, [behind[r] for r in fed]) for w, v in views.items()}
+        steps = []
+        for layer, w in enumerate(self.layout.windows):
+            call = self._native_calls.get(layer)
             if entering or call is None:
-                if call is None:
-                    call = calls[layer] = NativeLayerCall(lay.softmax_scale, w, self.key_grouping.size,
-                                                          self.value_grouping.size)
-                kc, vc, ke, ve = self.key_codes[layer], self.value_codes[layer], self._key_exact[layer], \
-                    self._value_exact[layer]
-                call.update([kc[r] for r in fed], [vc[r] for r in fed], [ke[r] for r in fed], [ve[r] for r in fed],
-                            spans[w], new, *plan.kernel_q)
+                call = self._bound_call(layer, plan, spans[w])
             else:  # nothing read or changed the stores since the last booked step: the same views and codes
                 a = call.args
                 a[0], a[9], a[10], a[11] = new, spans[w], *plan.kernel_q
             steps.append(call)
         return steps
+
+    def _native_view(self, plan: Int4Plan, views: list[View]) -> bool:
+        """Whether the native kernel attends a window's queries of `plan` (one view that reads
+        codes; over exact keys alone `attention` takes the reference, dense's own SDPA)."""
+        v = views[0]
+        return (self.impl == "native" and plan.kernel_q is not None and len(views) == 1
+                and any(a < b for a, b in zip(v.dequant_from, v.dequant_to)))
+
+    @staticmethod
+    def _spans(view: View, starts: list[int], behind: list[int]) -> list[int]:
+        """decodelab::int4_store_attend's spans: per row the view's dequantized and exact spans,
+        the exact stores' first position and the tokens they hold past their views' ends."""
+        return [x for s in zip(view.dequant_from, view.dequant_to, view.exact_from, view.exact_to, starts, behind)
+                for x in s]
+
+    def _bound_call(self, layer: int, plan: Int4Plan, spans: list[int]) -> NativeLayerCall:
+        """The layer's `NativeLayerCall` (made once per layer), bound to its current stores of
+        the rows `plan` feeds and to the step's spans and queries."""
+        call, lay, fed = self._native_calls.get(layer), self.layout, plan.fed
+        if call is None:
+            call = self._native_calls[layer] = NativeLayerCall(lay.softmax_scale, lay.windows[layer],
+                                                               self.key_grouping.size, self.value_grouping.size)
+        kc, vc = self.key_codes[layer], self.value_codes[layer]
+        ke, ve = self._key_exact[layer], self._value_exact[layer]  # current: the caller caught up or set `_behind`
+        return call.update([kc[r] for r in fed], [vc[r] for r in fed], [ke[r] for r in fed], [ve[r] for r in fed],
+                           spans, plan.new_tokens, *plan.kernel_q)
 
     def _attend_booked(self, layer: int, plan: Int4Plan, q, k, v) -> torch.Tensor:
         """A layer of a step `booked_layers` prepared, where no native call serves: the new
@@ -678,7 +680,7 @@ class QuantizedCache(KVCache):
         H, n, D = store.shape
         base = store._base
         if base is not None:
-            a = (store.storage_offset() - base.storage_offset()) // D  # the store's first token in the buffer
+            a = _buffer_start(store)
             if a + n + k <= base.shape[1] and store.stride(0) == base.stride(0):
                 return base.narrow(1, a, n + k)
         buf = torch.empty(H, self._exact_capacity(n + k), D, dtype=store.dtype, device=store.device)
@@ -907,7 +909,7 @@ class QuantizedCache(KVCache):
                                "CUDA graph would not replay; decode with compile=false (its Triton kernel "
                                "decodes there)")
         if self.impl == "native":  # its layers through decodelab::int4_host_attend (cache/static.py)
-            return HostPlan(self, tokens, bind=bind_native_step)
+            return HostPlan(self, tokens, host=NativeHost)
         return HostPlan(self, tokens)
 
     def static_view(self):
@@ -915,6 +917,11 @@ class QuantizedCache(KVCache):
         raise self.refusal("give a fixed-shape view for the static decode step",
                            "int4 grows per-row stores on the host each forward (quantized blocks and exact "
                            "tokens appended per row), so its storage has no fixed shape")
+
+
+def _buffer_start(store: torch.Tensor) -> int:
+    """The slot of the buffer [H, capacity, D] (its `_base`) that an exact store's first token is in."""
+    return (store.storage_offset() - store._base.storage_offset()) // store.shape[2]
 
 
 def bf16_ratio(layout: CacheLayout, context: int, **options) -> float:

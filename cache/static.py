@@ -214,13 +214,14 @@ class HostPlan:
 
     traced = True  # the model is traced into one graph with the host calls inside
 
-    def __init__(self, cache, tokens: int = 1, bind=None):
+    def __init__(self, cache, tokens: int = 1, host=None):
         register_attend_op("host_attend", _host_attend_impl)
         self.cache, self.tokens = cache, tokens
-        # `bind(handle, layers)` hands each booked step to a C++ attention op of the backend's
-        # (int4: decodelab::int4_host_attend, which calls host_attend for what it is not given),
-        # which the graph then calls instead: no Python between the graph and the kernel
-        self.bind = bind
+        # a backend's own attention op, which the graph then calls instead (no Python between the
+        # graph and the kernel; it calls host_attend for what it is not given): `host.op()`, with
+        # `host.bind(handle, layers)` handing it each booked step and `host.drop(handle)` at the end
+        # (int4: cache/kernels/int4.py's NativeHost)
+        self.host = host
         self.pos = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.layout.device)  # [B, T]
         self.current = None  # the eager plan of the step about to run (`book`)
         self.layers = None
@@ -229,9 +230,9 @@ class HostPlan:
         # graph; held weakly, so a dropped step frees its cache
         self.handle = _HOST_PLANS.add(self)
         self.key = int(self.handle)
-        self.op = torch.ops.decodelab.int4_host_attend if bind is not None else None
-        if bind is not None:  # what the C++ op holds for this plan goes with it
-            weakref.finalize(self, torch.ops.decodelab.int4_host_drop, self.key)
+        self.op = host.op() if host is not None else None
+        if host is not None:  # what the backend's op holds for this plan goes with it
+            weakref.finalize(self, host.drop, self.key)
 
     def book(self, cache, positions: torch.Tensor) -> None:
         """Host side of a step: plan it on the cache (its eager plan, kept for the calls)."""
@@ -242,8 +243,8 @@ class HostPlan:
         # the step's host work for all layers at once where the cache can, each layer's call then one
         # write and one kernel (int4's `booked_layers`); None: each layer runs the cache's `attend`
         self.layers = cache.booked_layers(self.current)
-        if self.bind is not None:
-            self.bind(self.key, self.layers)
+        if self.host is not None:
+            self.host.bind(self.key, self.layers)
         self.pos.copy_(positions)
 
     def begin(self) -> None:
@@ -284,8 +285,8 @@ def register_attend_op(name: str, impl) -> None:
     compiled graph calls as one opaque op (`impl` finds its host object by `handle`), once
     per process (on first use: nothing eager pays for it). Its fake implementation gives
     q's shape and dtype, all inductor needs. A plain library op (one dispatcher call to
-    `impl`): torch.library.custom_op's autograd and aliasing wrappers cost ~5 us a call,
-    paid by every layer of every step."""
+    `impl`), without torch.library.custom_op's autograd and aliasing wrappers, which every
+    layer of every step would pay for (experiments/README.md)."""
     global _LIBRARY
     if name in _REGISTERED:
         return

@@ -140,7 +140,7 @@ class NativeLayerCall:
         # fresh, key codes, scales, shifts, value codes, scales, shifts, exact keys, values, spans, qpos, vis
         self.args = [None] * 12 + [scale, window or 0, key_group, value_group]
         self.codes = ()
-        self.bound = None  # (handle, slot) its stores were last bound to (`bind_native_step`); None: since changed
+        self.bound = None  # (handle, slot) its stores were last bound to (`NativeHost.bind`); None: since changed
 
     def update(self, key_codes: list[QStore], value_codes: list[QStore], key_exact: list[torch.Tensor],
                value_exact: list[torch.Tensor], spans: list[int], fresh: list[int], qpos, vis) -> NativeLayerCall:
@@ -160,26 +160,41 @@ class NativeLayerCall:
         return self.op(q, k, v, *self.args)
 
 
-def bind_native_step(handle: int, steps: list | None) -> None:
-    """Hand a booked step's layers to decodelab::int4_host_attend, the compiled graph's C++
-    attention op of HostPlan `handle` (models/kernels/native_ops.cpp): each `NativeLayerCall`'s
-    stores where they changed since it was last bound there, each window's step arguments
-    (new tokens, spans, queries), and which layers it attends itself; the others (and every
-    layer where `steps` is None) it hands to decodelab::host_attend, the Python path."""
-    ops, armed, slots = torch.ops.decodelab, [], {}
-    for layer, call in enumerate(steps or ()):
-        if not isinstance(call, NativeLayerCall):
-            armed.append(0)
-            continue
-        a = call.args
-        slot = slots.setdefault(id(a[9]), (len(slots), a))[0]  # one per window: its spans list
-        if call.bound != (handle, slot):
-            ops.int4_host_layer(handle, layer, slot, *a[1:9], *a[12:16])
-            call.bound = (handle, slot)
-        armed.append(1)
-    for slot, a in slots.values():
-        ops.int4_host_step(handle, slot, a[0], a[9], a[10], a[11])
-    ops.int4_host_arm(handle, armed)
+class NativeHost:
+    """The C++ side of a native int4 cache's compiled step (cache/static.py's `HostPlan`
+    `host`): the op its graph calls per layer (decodelab::int4_host_attend,
+    models/kernels/native_ops.cpp), how each booked step is handed to it, and how a plan's
+    bindings are dropped with it."""
+
+    @staticmethod
+    def op():
+        return torch.ops.decodelab.int4_host_attend
+
+    @staticmethod
+    def bind(handle: int, steps: list | None) -> None:
+        """Hand a booked step's layers to int4_host_attend of HostPlan `handle`: each
+        `NativeLayerCall`'s stores where they changed since it was last bound there, each
+        window's step arguments (new tokens, spans, queries), and which layers it attends
+        itself; the others (and every layer where `steps` is None) it hands to
+        decodelab::host_attend, the Python path."""
+        ops, armed, slots = torch.ops.decodelab, [], {}
+        for layer, call in enumerate(steps or ()):
+            if not isinstance(call, NativeLayerCall):
+                armed.append(0)
+                continue
+            a = call.args
+            slot = slots.setdefault(id(a[9]), (len(slots), a))[0]  # one per window: its spans list
+            if call.bound != (handle, slot):
+                ops.int4_host_layer(handle, layer, slot, *a[1:9], *a[12:16])
+                call.bound = (handle, slot)
+            armed.append(1)
+        for slot, a in slots.values():
+            ops.int4_host_step(handle, slot, a[0], a[9], a[10], a[11])
+        ops.int4_host_arm(handle, armed)
+
+    @staticmethod
+    def drop(handle: int) -> None:
+        torch.ops.decodelab.int4_host_drop(handle)
 
 
 def _native_stores(rows: Int4Rows) -> list[list[torch.Tensor]]:

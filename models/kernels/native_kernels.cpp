@@ -909,8 +909,8 @@ static inline AVX512 __m512 exp16(__m512 x) {
     return _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(e));
 }
 
-/* exp_sum, 16 lanes */
-static inline AVX512 float exp_sum512(float* e, int64_t n, float mx) {
+/* exp_sum, 16 lanes (not inlined: called from code built without AVX-512) */
+static AVX512 float exp_sum512(float* e, int64_t n, float mx) {
     __m512 m = _mm512_set1_ps(mx), acc = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -996,9 +996,6 @@ static AVX512 void int4_exact_512(const Int4Item* it, int values, const float* r
         }
     }
 }
-
-/* exp_sum where the item runs 512 bits wide */
-static AVX512 float exp_sum_wide(float* e, int64_t n, float mx) { return exp_sum512(e, n, mx); }
 
 /* int4_keys_avx2 with 512-bit vectors (D % 16 == 0). It writes the scores of whole byte rows,
    so also those of up to KG - 1 positions either side of [pa, pb): sc has KG floats of margin
@@ -1229,7 +1226,7 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
             for (int64_t j = 0; j < g; j++) {
                 float mx = max_of(item.sc + j * ss, cnt);
                 pr[j * (D + 2)] = mx;
-                pr[j * (D + 2) + 1] = wide ? exp_sum_wide(item.sc + j * ss, cnt, mx) : exp_sum(item.sc + j * ss, cnt, mx);
+                pr[j * (D + 2) + 1] = wide ? exp_sum512(item.sc + j * ss, cnt, mx) : exp_sum(item.sc + j * ss, cnt, mx);
             }
             if (nqc > 0) {
                 if (wide) int4_values_512(&item);
