@@ -71,29 +71,12 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale[None, :, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-class DenseCache(KVCache):
-    """One [B, Hkv, capacity, D] K and V buffer per layer; slot p holds position p."""
-
-    serves_row_subsets = True  # a row is its own slice of every buffer
-
-    @classmethod
-    def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, kv_dtype: str = "auto",
-                      **options) -> int:
-        """The buffers at the storage dtype (fp8: plus one fp32 scale per layer, head, K and V);
-        a subclass's other options do not change them."""
-        raise_if(kv_dtype_problems(kv_dtype))
-        elem = torch.empty((), dtype=storage_dtype(layout, kv_dtype)).element_size()
-        scales = 2 * layout.n_layers * layout.n_kv_heads * 4 if kv_dtype == "float8_e4m3" else 0
-        return batch_size * capacity * 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * elem + scales
-
-    def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, kv_dtype: str = "auto"):
-        raise_if(kv_dtype_problems(kv_dtype))
-        super().__init__(layout, batch_size, capacity)
-        self._storage(kv_dtype)
-        shape = (batch_size, layout.n_kv_heads, capacity, layout.head_dim)
-        kw = dict(dtype=self.kv_dtype, device=layout.device)
-        self.k = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [B, Hkv, S, D] each
-        self.v = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
+class StoredKV:
+    """K/V held in a storage dtype of their own (`kv_dtype`), for the dense and paged
+    backends: the storage dtype, fp8's scales per layer and kv head (set by the layer's
+    first forward, reset with the cache), rounding what is written (`_stored`) and widening
+    what torch's attention reads (`_readable`). A subclass calls `_storage` in its
+    constructor, before it allocates anything."""
 
     def _storage(self, kv_dtype: str) -> None:
         """The storage dtype and, for fp8, each layer's K and V scales per kv head (ones until
@@ -111,7 +94,7 @@ class DenseCache(KVCache):
     def reset(self) -> None:
         """Forget every row (fp8: the next forward sets the scales again)."""
         super().reset()
-        if getattr(self, "fp8", False):
+        if getattr(self, "fp8", False):  # reset runs in KVCache's constructor, before _storage
             for t in self.k_scale + self.v_scale:
                 t.fill_(1.0)
             self.scaled = [False] * self.layout.n_layers
@@ -145,6 +128,48 @@ class DenseCache(KVCache):
             return keys.to(dt), values.to(dt)
         ks, vs = self.k_scale[layer][None, :, None, None], self.v_scale[layer][None, :, None, None]
         return (keys.to(dt) * ks).to(dt), (values.to(dt) * vs).to(dt)
+
+    def _scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's K and V scales per kv head (fp8), else (None, None): what the native
+        kernels multiply what they read by."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.fp8 else (None, None)
+
+    def _compiled_dtype_refusal(self) -> None:
+        """A compiled step off a CPU reads K/V in the model's dtype only: refused for another."""
+        if self.kv_dtype != self.layout.dtype and self.layout.device.type != "cpu":
+            raise self.refusal(f"run a compiled decode step on {self.layout.device.type} with kv_dtype "
+                               f"{str(self.kv_dtype).removeprefix('torch.')}",
+                               "its GPU kernels read K/V in the model's dtype; decode with compile=false")
+
+
+def scale_bytes(layout: CacheLayout, kv_dtype: str) -> int:
+    """fp8's scales: one fp32 per layer, kv head, K and V (none for another dtype)."""
+    return 2 * layout.n_layers * layout.n_kv_heads * 4 if kv_dtype == "float8_e4m3" else 0
+
+
+class DenseCache(StoredKV, KVCache):
+    """One [B, Hkv, capacity, D] K and V buffer per layer; slot p holds position p."""
+
+    serves_row_subsets = True  # a row is its own slice of every buffer
+
+    @classmethod
+    def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, kv_dtype: str = "auto",
+                      **options) -> int:
+        """The buffers at the storage dtype (fp8: plus one fp32 scale per layer, head, K and V);
+        a subclass's other options do not change them."""
+        raise_if(kv_dtype_problems(kv_dtype))
+        elem = torch.empty((), dtype=storage_dtype(layout, kv_dtype)).element_size()
+        return (batch_size * capacity * 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * elem
+                + scale_bytes(layout, kv_dtype))
+
+    def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, kv_dtype: str = "auto"):
+        raise_if(kv_dtype_problems(kv_dtype))
+        super().__init__(layout, batch_size, capacity)
+        self._storage(kv_dtype)
+        shape = (batch_size, layout.n_kv_heads, capacity, layout.head_dim)
+        kw = dict(dtype=self.kv_dtype, device=layout.device)
+        self.k = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [B, Hkv, S, D] each
+        self.v = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
 
     def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None,
              parents=None) -> DensePlan:
@@ -225,15 +250,14 @@ class DenseCache(KVCache):
 
         rows = (lambda t: t[plan.rows_slice]) if plan.rows_slice is not None else (
             lambda t: t.index_select(0, plan.dev_rows[:, 0]))
-        scales = (self.k_scale[layer], self.v_scale[layer]) if self.fp8 else (None, None)
         return native.decode_attention(q, rows(self.k[layer]), rows(self.v[layer]), plan.dev_positions,
-                                       self.layout.softmax_scale, self.layout.windows[layer], *scales)
+                                       self.layout.softmax_scale, self.layout.windows[layer], *self._scales(layer))
 
     def _attend_static(self, layer, q, k, v, plan: StaticPlan):
         """The compiled step: the row-major buffers in place on a CPU (traced with the model),
         the buffers read as block pools by the paged kernel on CUDA."""
         if plan.traced:
-            scales = (self.k_scale[layer], self.v_scale[layer]) if self.fp8 else None
+            scales = self._scales(layer) if self.fp8 else None
             return plan.attend_rows(layer, q, k, v, self.k[layer], self.v[layer], scales)
         return plan.attend_pools(layer, q, k, v)
 
@@ -259,10 +283,7 @@ class DenseCache(KVCache):
         strided view, no copy) with a fixed identity block table; blocks of
         gcd(capacity, 64) slots. Refused off a CPU for K/V stored in another dtype than
         the model's (the GPU kernels read the model's dtype)."""
-        if self.kv_dtype != self.layout.dtype and self.layout.device.type != "cpu":
-            raise self.refusal(f"run a compiled decode step on {self.layout.device.type} with kv_dtype "
-                               f"{str(self.kv_dtype).removeprefix('torch.')}",
-                               "its GPU kernels read K/V in the model's dtype; decode with compile=false")
+        self._compiled_dtype_refusal()
         bs = math.gcd(self.capacity, 64)
         k, table = zip(*(dense_as_pool(t, bs) for t in self.k))  # [Hkv, N, bs, D] each, [B, S / bs]
         v = [dense_as_pool(t, bs)[0] for t in self.v]

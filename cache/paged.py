@@ -18,6 +18,12 @@ stored heads-major, [Hkv, N, bs, D], and exposed as the [N, Hkv, bs, D] block vi
 With `impl: triton` (the default on CUDA, cache/kernels/dispatch.py) a decode-sized forward
 skips that plan: the Triton kernel of cache/kernels/paged.py reads the blocks in place
 through the block table; prefill always takes the reference.
+
+`kv_dtype` stores K and V as bfloat16, float16 or float8 e4m3 (with a scale per layer and kv
+head), as dense's does (cache/dense.py `StoredKV`): on a CPU a decode-sized forward then
+reads the blocks in place through decodelab's native kernel (models/native.py
+`paged_decode_attention`), prefills and trees gather the blocks and widen them; the Triton
+kernel reads the model's dtype only, so on CUDA such a cache takes the reference.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attention_mask, extend,
                                   is_plain_causal, reference_attention)
+from decodelab.cache.dense import StoredKV, kv_dtype_problems, scale_bytes, storage_dtype
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
 from decodelab.cache.static import StaticPlan
@@ -106,6 +113,12 @@ def waste_report(lengths: list[int], block_size: int = 16, bytes_per_token: int 
             "paged_waste_fraction": (paged - tokens) / paged, "dense_waste_fraction": (dense - tokens) / dense}
 
 
+def _block_bytes(layout: CacheLayout, kv_dtype: str, block_size: int) -> int:
+    """K and V of one block, every layer, at the storage dtype."""
+    elem = torch.empty((), dtype=storage_dtype(layout, kv_dtype)).element_size()
+    return 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * elem * block_size
+
+
 def pool_size(block_bytes: int, block_size: int, batch_size: int, capacity: int, num_blocks: int | None,
               budget_mb: float | None) -> tuple[int, list[str]]:
     """Blocks in the pool (given, from the budget, or one full row per batch row), and
@@ -149,35 +162,45 @@ class PagedPlan(Plan):
     wsrc: torch.Tensor | None  # [K] rows of the new K/V [B * T * Hkv, D] they take; None: all, in order
     reads: dict  # window -> _Reads (empty when the kernel reads)
     kernel: tuple | None  # (table [B, M], qpos [B, T], lengths [B], splits) for the Triton kernel
+    native: tuple | None  # (table [B, M], qpos [B, T]) for the native kernel (another storage dtype, CPU)
 
 
-class PagedCache(KVCache):
+class PagedCache(StoredKV, KVCache):
     """Block-pool KV cache with prefix sharing and copy-on-write."""
 
     serves_row_subsets = True  # a row is its block table: released blocks return to the free list
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
                  num_blocks: int | None = None, memory_budget_mb: float | None = None,
-                 prefix_caching: bool = True, impl: str = "auto"):
-        reasons = impl_problems(impl, layout.device)
+                 prefix_caching: bool = True, impl: str = "auto", kv_dtype: str = "auto"):
+        reasons = impl_problems(impl, layout.device) + kv_dtype_problems(kv_dtype)
         try:
             super().__init__(layout, batch_size, capacity)
         except SetupError as e:
             reasons = e.reasons + reasons
         self.block_size = block_size
-        self.block_bytes = layout.bytes_per_token() * block_size  # K and V of one block, all layers
+        ok = not kv_dtype_problems(kv_dtype)
+        self.block_bytes = _block_bytes(layout, kv_dtype if ok else "auto", block_size)  # K and V, all layers
         n, more = pool_size(self.block_bytes, block_size, batch_size, capacity, num_blocks, memory_budget_mb)
+        if ok and impl == "triton" and storage_dtype(layout, kv_dtype) != layout.dtype:
+            more.append(f"impl=triton reads K/V in the model's dtype ({str(layout.dtype).removeprefix('torch.')}); "
+                        f"kv_dtype={kv_dtype} needs impl=reference (or auto, which takes it)")
         raise_if(reasons + more)
+        self._storage(kv_dtype)
         self.num_blocks, self.prefix_caching = n, prefix_caching
         self.impl = resolve_impl(impl, layout.device)  # decode attention: cache/kernels/dispatch.py
+        if self.kv_dtype != layout.dtype:  # the Triton kernel reads the model's dtype only
+            self.impl = "reference"
         shape = (layout.n_kv_heads, n, block_size, layout.head_dim)
-        kw = dict(dtype=layout.dtype, device=layout.device)
+        kw = dict(dtype=self.kv_dtype, device=layout.device)
         self._kh = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]  # [Hkv, N, bs, D] storage
         self._vh = [torch.zeros(shape, **kw) for _ in range(layout.n_layers)]
         self.k = [t.transpose(0, 1) for t in self._kh]  # [N, Hkv, bs, D] block views
         self.v = [t.transpose(0, 1) for t in self._vh]
-        self._kflat = [t.view(-1, layout.head_dim) for t in self._kh]  # [Hkv * N * bs, D]
-        self._vflat = [t.view(-1, layout.head_dim) for t in self._vh]
+        # [Hkv * N * bs, D] flat views for index copies (fp8: of its bytes, which torch's CPU index_copy_ takes)
+        flat = lambda t: t.view(-1, layout.head_dim).view(torch.uint8 if self.fp8 else t.dtype)  # noqa: E731
+        self._kflat = [flat(t) for t in self._kh]
+        self._vflat = [flat(t) for t in self._vh]
         # [B, M] block of each row's positions [i * bs, (i + 1) * bs), -1: none; only ever edited in place
         self.table = torch.full((batch_size, math.ceil(capacity / block_size)), -1, dtype=torch.long)
         self.alloc = BlockAllocator(n)
@@ -186,13 +209,15 @@ class PagedCache(KVCache):
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, batch_size: int, capacity: int, block_size: int = 16,
                       num_blocks: int | None = None, memory_budget_mb: float | None = None,
-                      prefix_caching: bool = True, impl: str = "auto") -> int:
-        """The pool the constructor allocates: num_blocks x block_size x bytes_per_token
-        (num_blocks given, from the budget, or one full row per batch row)."""
-        block_bytes = layout.bytes_per_token() * block_size
+                      prefix_caching: bool = True, impl: str = "auto", kv_dtype: str = "auto") -> int:
+        """The pool the constructor allocates: num_blocks x block_size x bytes per token at
+        the storage dtype (num_blocks given, from the budget, or one full row per batch row);
+        fp8: plus its scales."""
+        raise_if(kv_dtype_problems(kv_dtype))
+        block_bytes = _block_bytes(layout, kv_dtype, block_size)
         n, reasons = pool_size(block_bytes, block_size, batch_size, capacity, num_blocks, memory_budget_mb)
         raise_if(reasons)
-        return n * block_bytes
+        return n * block_bytes + scale_bytes(layout, kv_dtype)
 
     # -- called by the model -------------------------------------------------------
     def plan(self, positions: torch.Tensor, valid: torch.Tensor | None = None, rows=None,
@@ -207,8 +232,10 @@ class PagedCache(KVCache):
         # kernel-sized and causal: a prefill or a tree of drafts takes the reference
         decode = base.positions.shape[1] <= DECODE_QUERIES and base.tree is None
         kernel = self._kernel_inputs(base.positions, srows) if self.impl == "triton" and decode else None
-        reads = {} if kernel is not None else {w: self._reads(base, srows, w) for w in set(self.layout.windows)}
-        return extend(base, PagedPlan, wdst=wdst, wsrc=wsrc, reads=reads, kernel=kernel)
+        native = (self.table[srows], base.positions) if self.native_read and decode else None
+        reads = {} if kernel is not None or native is not None else {
+            w: self._reads(base, srows, w) for w in set(self.layout.windows)}
+        return extend(base, PagedPlan, wdst=wdst, wsrc=wsrc, reads=reads, kernel=kernel, native=native)
 
     def book(self, positions: torch.Tensor) -> None:
         """The host bookkeeping alone (lengths, blocks), for a compiled step."""
@@ -289,6 +316,7 @@ class PagedCache(KVCache):
         s = torch.tensor(src, device=self.layout.device)
         d = torch.tensor(dst, device=self.layout.device)
         for pool in self.k + self.v:
+            pool = pool.view(torch.uint8) if self.fp8 else pool  # fp8: its bytes (torch's CPU index_copy_)
             pool.index_copy_(0, d, pool.index_select(0, s))
 
     def _flat_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -367,22 +395,30 @@ class PagedCache(KVCache):
         [B, Hq, T, D] over the gathered keys of the layer's window (a compiled step's
         `StaticPlan`: through the block table, every block a row maps)."""
         if isinstance(plan, StaticPlan):
-            return plan.call(plan.attend_pools, layer, q, k, v)
+            return plan.call(plan.attend_pools, layer, q, k, v, self._scales(layer) if self.fp8 else None)
         D = self.layout.head_dim
-        for flat, new in ((self._kflat[layer], k), (self._vflat[layer], v)):
-            src = new.transpose(1, 2).reshape(-1, D)  # [B * T * Hkv, D]
+        k_new, v_new = self._stored(layer, k, v) if self.kv_dtype != k.dtype else (k, v)
+        for flat, new in ((self._kflat[layer], k_new), (self._vflat[layer], v_new)):
+            src = new.transpose(1, 2).reshape(-1, D).view(flat.dtype)  # [B * T * Hkv, D]
             if plan.wsrc is not None:
                 src = src.index_select(0, plan.wsrc)
             flat.index_copy_(0, plan.wdst, src)
         scale, cap = self.layout.softmax_scale, self.layout.softcap
+        if plan.native is not None:  # another storage dtype on a CPU: the native kernel reads it in place
+            from decodelab.models import native
+
+            table, qpos = plan.native
+            return native.paged_decode_attention(q, self._kh[layer], self._vh[layer], table, qpos, scale,
+                                                 self.layout.windows[layer], *self._scales(layer))
         if plan.kernel is not None:  # decode-sized: the kernel reads the blocks in place
             table, qpos, lengths, splits = plan.kernel
             return paged_attention_triton(q, self._kh[layer], self._vh[layer], table, qpos, lengths, scale,
                                           self.layout.windows[layer], cap, splits)
         r = plan.reads[self.layout.windows[layer]]
-        if r.causal:  # the keys are exactly the new tokens
+        if r.causal and not self.lossy:  # the keys are exactly the new tokens (as stored, when that is exact)
             return reference_attention(q, k, v, None, scale, cap, causal=True)
-        return reference_attention(q, *self._keys(layer, r), r.mask, scale, cap)
+        keys, values = self._readable(layer, *self._keys(layer, r))
+        return reference_attention(q, keys, values, r.mask, scale, cap, r.causal)
 
     def _keys(self, layer: int, r: _Reads) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, S, D] the window reads: a view of consecutive blocks
@@ -393,8 +429,8 @@ class PagedCache(KVCache):
             return tuple(t[:, a:a + nb].reshape(Hkv, -1, D)[None, :, off:off + r.keys]
                          for t in (self._kh[layer], self._vh[layer]))
         shape = (r.gather.numel() // (Hkv * r.keys), Hkv, r.keys, D)
-        return (self._kflat[layer].index_select(0, r.gather).view(shape),
-                self._vflat[layer].index_select(0, r.gather).view(shape))
+        return (self._kflat[layer].index_select(0, r.gather).view(self.kv_dtype).view(shape),
+                self._vflat[layer].index_select(0, r.gather).view(self.kv_dtype).view(shape))
 
     def _move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy slots src -> dst of a row through its block table, every layer's pool."""
@@ -410,7 +446,8 @@ class PagedCache(KVCache):
         blocks = self.table[row, :math.ceil(n / self.block_size)].to(self.layout.device)  # [nb]
         Hkv, D = self.layout.n_kv_heads, self.layout.head_dim
         k, v = (t[:, blocks].reshape(Hkv, -1, D)[:, :n] for t in (self._kh[layer], self._vh[layer]))
-        return torch.arange(n), k, v
+        k, v = self._readable(layer, k[None], v[None])
+        return torch.arange(n), k[0], v[0]
 
     # -- called by prefill: prefix caching -----------------------------------------
     def reuse_prefix(self, prompts: list[list[int]], rows: list[int] | None = None) -> list[int]:
@@ -499,6 +536,7 @@ class PagedCache(KVCache):
     def static_view(self) -> StaticView:
         """The heads-major pools as they are and a device copy of the block table, which
         `refresh` updates from the host table after each `plan` allocated blocks."""
+        self._compiled_dtype_refusal()
         table = self.table.to(self.layout.device, torch.int32)  # [B, M]
         return StaticView(list(self._kh), list(self._vh), table, self.block_size, self.table)
 
@@ -511,9 +549,11 @@ class PagedCache(KVCache):
         blocks = self.table[self.table >= 0].unique().to(self.layout.device)  # [nb]
         g = torch.Generator(device=self.layout.device).manual_seed(seed)
         lay = self.layout
-        for pool in self._kh + self._vh:  # [Hkv, N, bs, D]
+        for pool in self._kh + self._vh:  # [Hkv, N, bs, D]; fp8: drawn in fp32, stored at scale 1
             pool[:, blocks] = torch.randn(lay.n_kv_heads, len(blocks), self.block_size, lay.head_dim, generator=g,
-                                          device=lay.device, dtype=lay.dtype)
+                                          device=lay.device).to(pool.dtype)
+        if self.fp8:
+            self.scaled = [True] * lay.n_layers  # the scales (1) are those of what is held
 
     def memory_report(self) -> dict:
         """Base report plus blocks in use, their bytes, their unused share, prefix reuse."""

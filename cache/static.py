@@ -150,10 +150,7 @@ class StaticPlan:
         window: the native kernel reads only those slots; the torch path reads every slot,
         masked. Buffers of another dtype (a dense cache's kv_dtype) store k, v rounded to it;
         `scales` (fp8: K's and V's [Hkv]) divide them first and multiply what is read."""
-        if keys.dtype != k.dtype:
-            if scales is not None:
-                k, v = ((x.float() / s[None, :, None, None]).clamp(-448.0, 448.0) for x, s in zip((k, v), scales))
-            k, v = k.to(keys.dtype), v.to(keys.dtype)
+        k, v = _as_stored(k, v, keys.dtype, scales)
         at = (self.batch_rows[:, :, None], self.heads[..., None], self.pos[:, None])  # -> [B, Hkv, T]
         keys.index_put_(at, k)
         values.index_put_(at, v)
@@ -161,25 +158,27 @@ class StaticPlan:
         if self.native:
             return torch.ops.decodelab.decode_attention(q, keys, values, self.pos, lay.softmax_scale, w or 0,
                                                         *(scales or ()))
-        if keys.dtype != q.dtype:
-            ks, vs = scales if scales is not None else (None, None)
-            keys, values = (x.to(q.dtype) if s is None else x.to(q.dtype) * s[None, :, None, None].to(q.dtype)
-                            for x, s in ((keys, ks), (values, vs)))
+        keys, values = _widened(keys, values, q.dtype, scales, 1)
         seen = self.kpos[:keys.shape[2]] <= qpos  # [B, T, S]
         if w is not None:
             seen = seen & (self.kpos[:keys.shape[2]] > qpos - w)
         return masked_attention(q, keys, values, seen, lay)
 
-    def attend_pools(self, layer: int, q, k, v):
+    def attend_pools(self, layer: int, q, k, v, scales=None):
         """Write k, v into the storage's block pools [Hkv, N, bs, D] at this step's slots and
-        attend through the block table (the Triton kernel on CUDA, its torch reference)."""
+        attend through the block table (the Triton kernel on CUDA, its torch reference).
+        Pools of another dtype (a paged cache's kv_dtype) store k, v rounded to it, with
+        `scales` as `attend_rows` takes them."""
         k_pool, v_pool = self.storage.k[layer], self.storage.v[layer]
+        k, v = _as_stored(k, v, k_pool.dtype, scales)
         for pool, new in ((k_pool, k), (v_pool, v)):
             pool[self.heads[..., None], self.blk[:, None], self.off[:, None]] = new  # [B, Hkv, T] slots, D each
         lay = self.layout
         if self.native:  # a CPU: the native kernel reads the slots each query sees in place, through the table
             return torch.ops.decodelab.paged_decode_attention(q, k_pool, v_pool, self.storage.table, self.pos,
-                                                              lay.softmax_scale, lay.windows[layer] or 0)
+                                                              lay.softmax_scale, lay.windows[layer] or 0,
+                                                              *(scales or (None, None)))
+        k_pool, v_pool = _widened(k_pool, v_pool, q.dtype, scales, 0)
         return self.attn(q, k_pool, v_pool, self.storage.table, self.pos, self.kv_len, lay.softmax_scale,
                          lay.windows[layer], lay.softcap, self.splits)
 
@@ -194,6 +193,27 @@ class StaticPlan:
         held, qpos = self.rings[ring][1][:, None, :], self.pos[..., None]  # [B, 1, slots], [B, T, 1]
         seen = (held >= 0) & (held <= qpos) & ((held > qpos - window) | (held < self.sinks))  # [B, T, slots]
         return masked_attention(q, keys, values, seen, self.layout)
+
+
+def _as_stored(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, scales=None):
+    """New k, v [B, Hkv, T, D] rounded to a storage dtype; `scales` (fp8: K's and V's [Hkv])
+    divide them first, saturated at e4m3's largest value."""
+    if dtype == k.dtype:
+        return k, v
+    if scales is not None:
+        k, v = ((x.float() / s[None, :, None, None]).clamp(-448.0, 448.0) for x, s in zip((k, v), scales))
+    return k.to(dtype), v.to(dtype)
+
+
+def _widened(keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, scales=None, head_dim: int = 1):
+    """Stored keys and values in `dtype` (fp8: times their `scales` [Hkv] along `head_dim`)."""
+    if keys.dtype == dtype:
+        return keys, values
+    if scales is None:
+        return keys.to(dtype), values.to(dtype)
+    at = [None] * keys.dim()
+    at[head_dim] = slice(None)
+    return tuple(x.to(dtype) * s[tuple(at)].to(dtype) for x, s in zip((keys, values), scales))
 
 
 class HostPlan:

@@ -273,13 +273,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                           pos: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                           pos: torch.Tensor, scale: float, window: int | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention` over a paged cache's block pools k_pool, v_pool [Hkv, N, bs, D]
-    read in place through the block table [B, M] (row b's slot s: block table[b, s // bs],
-    offset s % bs; block ids checked against N; -1, no block, reads block 0 as
-    `gather_rows` does) -> [B, Hq, T, D] (the operator
-    decodelab::paged_decode_attention)."""
-    return _ops().paged_decode_attention(q, k_pool, v_pool, table, pos, scale, window or 0, None, None)
+    (any storage dtype `decode_attention` reads, with its scales) read in place through the
+    block table [B, M] (row b's slot s: block table[b, s // bs], offset s % bs; block ids
+    checked against N; -1, no block, reads block 0 as `gather_rows` does) -> [B, Hq, T, D]
+    (the operator decodelab::paged_decode_attention)."""
+    return _ops().paged_decode_attention(q, k_pool, v_pool, table, pos, scale, window or 0, k_scale, v_scale)
 
 
 def int4_decode_attention(q: torch.Tensor, stores: list[list[torch.Tensor]], spans: list[int], qpos: torch.Tensor,

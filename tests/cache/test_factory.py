@@ -51,7 +51,7 @@ def test_options_override_the_yaml_and_the_factory_serves_make_cache(tiny_llama)
 
 
 def test_an_unknown_backend_or_option_is_refused_with_the_ones_there_are():
-    with pytest.raises(SetupError, match="no cache backend 'pagd'; the backends are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, sliding"):
+    with pytest.raises(SetupError, match="no cache backend 'pagd'; the backends are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, paged-fp8, sliding"):
         backend("pagd")
     with pytest.raises(SetupError, match="takes no option 'block_sizee'; did you mean block_size"):
         backend("paged", block_sizee=4)

@@ -1,6 +1,7 @@
-"""The dense cache's `kv_dtype`: K/V stored as bfloat16, float16 or float8 e4m3 (a scale per
-layer and kv head), attended in the model's dtype; the native kernel's reading of each
-storage dtype against torch's attention over the same stored values.
+"""The dense and paged caches' `kv_dtype`: K/V stored as bfloat16, float16 or float8 e4m3 (a
+scale per layer and kv head), attended in the model's dtype; the native kernel's reading of
+each storage dtype against torch's attention over the same stored values; paged against
+dense of the same dtype (the same stored values, read through the block table).
 
 What is exact and what is bounded. Storing rounds K/V (to bf16, fp16 or e4m3), and the
 kernel's reading of what is stored is exact (bf16 and fp16 widen exactly; e4m3 by moving
@@ -15,6 +16,7 @@ import torch
 
 from decodelab.cache.base import CacheLayout, reference_attention
 from decodelab.cache.dense import FP8_HEADROOM, FP8_MAX, DenseCache, to_fp8
+from decodelab.cache.paged import PagedCache
 from decodelab.models import native
 from decodelab.models.errors import SetupError
 
@@ -144,9 +146,55 @@ def test_an_unknown_kv_dtype_is_refused_with_the_choices():
         DenseCache.planned_bytes(layout(), 1, 8, kv_dtype="fp8")
 
 
+@pytest.mark.parametrize("kind", list(DTYPES))
+def test_a_paged_cache_of_each_kv_dtype_equals_dense_of_that_dtype(kind):
+    """The same forwards into paged (blocks of 4, so every read crosses blocks) and dense of one
+    kv_dtype: the same stored values (fp8: the same scales, set by the first forward), so the
+    prefill (gathered, widened, torch's attention) and the decode steps (the native kernel
+    through the block table on a CPU) agree to float summation order; the stored blocks
+    read back as dense's slots; copy-on-write and slot moves copy the stored bytes."""
+    lay = layout()
+    dense, paged = DenseCache(lay, 1, 40, kv_dtype=kind), PagedCache(lay, 1, 40, block_size=4, kv_dtype=kind)
+    assert paged.k[0].dtype == DTYPES[kind] and paged.lossy and paged.native_read == (native.problem() is None)
+    got, _ = fed(paged, 20, torch.Generator().manual_seed(2))
+    want, _ = fed(dense, 20, torch.Generator().manual_seed(2))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a - b).abs().max().item() <= LIMIT, i
+    if kind == "float8_e4m3":
+        assert all(torch.equal(a, b) for a, b in zip(paged.k_scale + paged.v_scale, dense.k_scale + dense.v_scale))
+    for layer in range(lay.n_layers):
+        (pp, pk, pv), (dp, dk, dv) = paged.read(layer, 0), dense.read(layer, 0)
+        assert torch.equal(pp, dp) and torch.equal(pk, dk) and torch.equal(pv, dv) and pk.dtype == torch.float32
+    blocks = paged.table[0, :2].tolist()
+    free = [b for b in range(paged.num_blocks) if b not in paged.table[0].tolist()][:2]
+    paged._copy_blocks(tuple(blocks), tuple(free))  # copy-on-write's copy, byte for byte
+    for pool in paged.k + paged.v:
+        assert torch.equal(pool[free].view(torch.uint8), pool[blocks].view(torch.uint8))
+    paged._move_slots(0, [1, 2], [30, 31])
+    assert torch.equal(paged.read(1, 0)[1][:, 30:32], dense.read(1, 0)[1][:, 1:3])
+
+
+def test_paged_kv_dtype_bytes_and_refusals():
+    """The pool at the storage dtype (fp8's scales in planned_bytes, as dense's); an unknown
+    kv_dtype and the Triton kernel (the model's dtype only) asked for another dtype refused."""
+    lay = layout()
+    for kind in ("auto", *DTYPES):
+        c = PagedCache(lay, 2, 64, block_size=16, kv_dtype=kind)
+        elem = c.kv_dtype.itemsize
+        assert c.nbytes() == 2 * 2 * 2 * 2 * 64 * 16 * elem and c.block_bytes == 2 * 2 * 2 * 16 * 16 * elem
+        assert PagedCache.planned_bytes(lay, 2, 64, kv_dtype=kind) == c.nbytes() + (32 if kind == "float8_e4m3" else 0)
+        assert c.read_bytes(10) == 2 * (10 + 7) * 2 * 2 * 16 * elem
+        assert c.impl == "reference"  # a CPU
+    with pytest.raises(SetupError, match="kv_dtype must be one of"):
+        PagedCache(lay, 1, 8, kv_dtype="fp8")
+    with pytest.raises(SetupError, match="impl=triton reads K/V in the model's dtype.*bfloat16 needs impl=ref"):
+        PagedCache(lay, 1, 8, kv_dtype="bfloat16", impl="triton")
+
+
 @needs_native
 @pytest.mark.parametrize("kind", ["bfloat16", "float8_e4m3"])
-def test_the_compiled_cpu_step_over_a_kv_dtype_cache_equals_the_eager_one(kind, tiny_llama):
+@pytest.mark.parametrize("backend", [DenseCache, PagedCache])
+def test_the_compiled_cpu_step_over_a_kv_dtype_cache_equals_the_eager_one(kind, backend, tiny_llama):
     """The compiled static step (dynamo's eager backend: traced like inductor's, fast to build)
     writes and reads the stored dtype as the eager path does: the same logits to float rounding."""
     from decodelab.decoding.compiled import StaticDecoder
@@ -154,7 +202,7 @@ def test_the_compiled_cpu_step_over_a_kv_dtype_cache_equals_the_eager_one(kind, 
     from decodelab.decoding.text import make_cache
 
     model = tiny_llama.model
-    factory = lambda lay, b, c: DenseCache(lay, b, c, kv_dtype=kind)  # noqa: E731
+    factory = lambda lay, b, c: backend(lay, b, c, kv_dtype=kind)  # noqa: E731
     prompt = list(range(3, 40))
     logits = []
     for compiled in (False, True):

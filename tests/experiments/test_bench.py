@@ -118,7 +118,7 @@ def test_bad_config_fails_fast_with_every_reason_and_no_traceback():
     for proc, n in ((p, 3), (p2, 3)):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert f"invalid setup ({n} problem(s))" in proc.stderr, proc.stderr
-    assert "no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, sliding" in p.stderr
+    assert "no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, paged-fp8, sliding" in p.stderr
     assert "nbits must be one of [2, 4]" in p2.stderr and "gamma must be" in p2.stderr
     assert "Loading weights" not in p.stderr + p2.stderr
     print(f"two refused configs in {elapsed:.1f} s")

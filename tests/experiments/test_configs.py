@@ -203,7 +203,7 @@ def test_precheck_lists_unknown_groups_keys_and_bad_values_together(capsys):
                   "max_new_token=3"], "config", check)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "invalid setup (4 problem(s))" in err
-    assert "no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, sliding" in err
+    assert "no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, paged-fp8, sliding" in err
     assert "did you mean decoder.temperature?" in err and "did you mean max_new_tokens?" in err
     assert "gamma must be an integer >= 1, got 0" in err
 
@@ -367,7 +367,7 @@ def test_a_choice_of_a_group_option_that_does_not_exist_is_named(capsys):
 
     with pytest.raises(SystemExit):
         precheck(["-m", "cache=choice(dense,pagd)"], "config", check)
-    assert ("cache=pagd: no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, "
+    assert ("cache=pagd: no such cache; the options are dense, dense-bf16, dense-fp16, dense-fp8, int4, paged, paged-fp8, "
             "sliding") in capsys.readouterr().err
 
 
