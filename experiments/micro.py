@@ -2,7 +2,8 @@
 (experiments/README.md has the tables).
 
     decodelab-micro part=kv_speed     # decode step per backend and transformers' QuantizedCache, 1k and 4k
-                                      # (kv_compile=true: each backend compiled too; kv_weights: on int4 weights too)
+                                      # (kv_compile=true: each backend compiled too; kv_weights: on int4 weights too;
+                                      # llama.cpp with each of kv_llama_cpp's KV types, where it is installed)
     decodelab-micro part=kv_quality   # KV types (ours; transformers' int4) vs dense fp32, teacher-forced ShareGPT
                                       # replies (quality_context=N: after N tokens of concatenated conversations)
     decodelab-micro part=verify_cost  # a forward of T tokens vs one token, per matmul impl
@@ -32,15 +33,18 @@ from functools import partial
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from decodelab.cache.base import CacheLayout
 from decodelab.decoding.agreement import compare, dense_logits, forced_logits
 from decodelab.decoding.prefill import prefill
 from decodelab.decoding.text import make_cache
 from decodelab.experiments import harness
-from decodelab.experiments.micro_weights import hf_quanto, step_profile, weight_problems, weights, weights_quality
+from decodelab.experiments.micro_weights import (hf_quanto, llama_cpp_for, llama_cpp_problems, step_profile,
+                                                 weight_problems, weights, weights_quality)
 from decodelab.experiments.plotting import quartile_fields
 from decodelab.experiments.report import markdown_table
 from decodelab.experiments.workloads import ShareGPT, long_conversations, synthetic_prompt
-from decodelab.models.reference import hf_cache_bytes, hf_model_for, hf_quantized_cache, hf_steps
+from decodelab.models.reference import (LLAMA_CPP_KV, hf_cache_bytes, hf_model_for, hf_quantized_cache, hf_steps,
+                                        llama_cpp_steps)
 from decodelab.models.errors import raise_if
 from decodelab.models.matmul import impl_problems
 
@@ -83,11 +87,35 @@ def compiled_steps(model, factory, prompt: list[int], steps: int, timer, built: 
     return cache.nbytes()
 
 
+def llama_cpp_kv(cfg, lm, ctx: int) -> dict:
+    """kv_speed's llama.cpp systems at one context: per KV type of `kv_llama_cpp`, its name ->
+    a runner of the part's signature (llama.cpp on the model's GGUF, the same prompt ids, its
+    greedy steps timed; returns the KV bytes its context holds: n_ctx x the model's K/V
+    elements per token, every layer, x the type's bytes per element; on a model with windowed
+    layers llama.cpp keeps less for those, so this is its upper bound). Empty where llama.cpp
+    is skipped."""
+    out = {}
+    for kv in cfg.kv_llama_cpp:
+        llm = llama_cpp_for(cfg, lm, ctx + cfg.steps + 1, kv)
+        if llm is None:
+            return {}
+        lay = CacheLayout.of(lm.model)
+        nbytes = int(llm.n_ctx() * 2 * lay.n_layers * lay.n_kv_heads * lay.head_dim * LLAMA_CPP_KV[kv])
+
+        def run(p, s, timer, llm=llm, nbytes=nbytes):
+            llama_cpp_steps(llm, p, s, timer)
+            return nbytes
+        out[llm.system] = run
+    return out
+
+
 def kv_speed(cfg, lm, hf) -> list[dict]:
     """Decode ITL after a synthetic prompt of each context, per backend, eager and (with
-    `kv_compile`) through the compiled step, transformers' QuantizedCache beside; every
-    system timed in turn within each repeat. `itl_vs_<first>`: over the first backend's
-    eager ITL; `vs_first_same_mode`: over the first backend's ITL in the same mode."""
+    `kv_compile`) through the compiled step, transformers' QuantizedCache beside, and
+    llama.cpp with each KV type of `kv_llama_cpp` where it is installed (`compare_llama_cpp`);
+    every system timed in turn within each repeat. `itl_vs_<first>`: over the first
+    backend's eager ITL; `vs_first_same_mode`: over the first backend's ITL in the same mode
+    (eager for transformers and llama.cpp)."""
     from decodelab.models.quantize import WeightOptions
 
     first = cfg.backends[0]
@@ -108,6 +136,7 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
                                   else partial(our_steps, model, harness.cache_factory(name)))
         systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(hf, p, s, cache=hf_int4(hf, cfg),
                                                                                    timer=timer)[1])
+        systems |= llama_cpp_kv(cfg, lm, ctx)
         prompt = synthetic_prompt(lm, ctx)
         timers = {n: harness.Timer(lm.model.device) for n in systems}
         nbytes = {}
@@ -124,6 +153,7 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
             rows.append(row | quartile_fields("itl_ms", [1e3 * x for x in t.seconds]))
         for b in built.values():  # the compiled steps of this context hold its caches: freed before the next
             b.clear()
+        systems.clear()  # (llama.cpp's contexts with them)
     return rows
 
 
@@ -421,6 +451,9 @@ def check(cfg: DictConfig) -> None:
         p += [f"kv_weights: {w!r} is not one of {list(kinds)}" for w in cfg.kv_weights if w not in kinds]
         if not isinstance(cfg.kv_compile, bool):
             p.append(f"kv_compile must be true or false, got {cfg.kv_compile!r}")
+        p += [f"kv_llama_cpp: {t!r} is not one of llama.cpp's KV types {list(LLAMA_CPP_KV)}" for t in cfg.kv_llama_cpp
+              if t not in LLAMA_CPP_KV]
+        p += llama_cpp_problems(cfg) if list(cfg.kv_llama_cpp) else []
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
     if cfg.part in ("weights", "weights_quality", "step_profile"):

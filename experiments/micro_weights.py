@@ -80,10 +80,11 @@ def llama_cpp_problems(cfg) -> list[str]:
     return p
 
 
-def llama_cpp_for(cfg, lm, n_ctx: int):
-    """llama.cpp on the model's own GGUF file, with this run's torch thread count, where
-    `compare_llama_cpp` asks for it and it can run (auto: skipped, and said, where it is
-    not installed or the model has no GGUF file); else None."""
+def llama_cpp_for(cfg, lm, n_ctx: int, kv: str | None = None):
+    """llama.cpp on the model's own GGUF file, with this run's torch thread count (and K/V
+    stored as `kv`: reference.llama_cpp_model), where `compare_llama_cpp` asks for it and it
+    can run (auto: skipped, and said, where it is not installed or the model has no GGUF
+    file); else None."""
     from decodelab.models.reference import llama_cpp_available, llama_cpp_model
 
     if cfg.compare_llama_cpp is False:
@@ -94,7 +95,7 @@ def llama_cpp_for(cfg, lm, n_ctx: int):
     if not has_gguf(cfg.model):
         print(f"llama.cpp anchor skipped: model {lm.name} has no GGUF file")
         return None
-    return llama_cpp_model(model_gguf(cfg.model), n_ctx, torch.get_num_threads())
+    return llama_cpp_model(model_gguf(cfg.model), n_ctx, torch.get_num_threads(), kv)
 
 
 def _rotated(names: list[str], k: int) -> list[str]:

@@ -186,17 +186,47 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def llama_cpp_model(gguf, n_ctx: int, threads: int):
+#: llama.cpp's KV cache types (`-ctk` / `-ctv`) -> bytes per element (ggml's blocks of 32: q8_0 34 bytes, q4_0 18)
+LLAMA_CPP_KV = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def llama_cpp_model(gguf, n_ctx: int, threads: int, kv: str | None = None):
     """llama.cpp (llama-cpp-python's `Llama`) on the GGUF file `gguf` as it is shipped
     (its own quantized weights), `threads` threads for decode and prompt alike, a context of
     `n_ctx` tokens, default batch sizes (a prompt of up to 512 tokens in one batch);
-    `system` names it with the file's weight type (llama.cpp's description of the model)."""
-    from llama_cpp import Llama
+    `system` names it with the file's weight type (llama.cpp's description of the model).
+    `kv` (one of LLAMA_CPP_KV): K and V stored as that type, with flash attention (which a
+    quantized V needs; `-fa -ctk kv -ctv kv`), `system` naming it; None: llama.cpp's defaults."""
+    import llama_cpp
 
-    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    kw = {}
+    if kv is not None:
+        t = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
+        kw = dict(type_k=t, type_v=t, flash_attn=True)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                          verbose=False, **kw)
     # "llama 256M Q4_1" -> "llama.cpp Q4_1"; "gemma3 270M Q4_K - Medium" -> "llama.cpp Q4_K - Medium"
-    llm.system = f"llama.cpp {llm._model.desc().split(maxsplit=2)[-1]}"
+    llm.system = f"llama.cpp {llm._model.desc().split(maxsplit=2)[-1]}" + (f", {kv} KV" if kv else "")
     return llm
+
+
+def llama_cpp_steps(llm, ids: list[int], steps: int, timer) -> list[int]:
+    """llama.cpp's prefill of `ids` (its KV cache cleared first), then `steps` greedy
+    one-token evals, each inside `timer` (the argmax of its logits outside); the steps + 1
+    greedy tokens."""
+    import numpy as np
+
+    def argmax() -> int:
+        return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())
+
+    llm.reset()
+    llm.eval(ids)
+    out = [argmax()]
+    for _ in range(steps):
+        with timer:
+            llm.eval(out[-1:])
+        out.append(argmax())
+    return out
 
 
 def llama_cpp_generate_timed(llm, ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:

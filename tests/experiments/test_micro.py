@@ -306,6 +306,12 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
         micro(tmp_path, "part=weights", "compare_llama_cpp=true")
     assert "compare_llama_cpp=true needs llama-cpp-python" in str(e.value)
     assert "model 'tiny-llama' has no GGUF file for llama.cpp to run" in str(e.value)
+    with pytest.raises(SetupError) as e:  # kv_speed's llama.cpp rows: the same checks, and its KV types
+        micro(tmp_path, "part=kv_speed", "compare_llama_cpp=true", "kv_llama_cpp=[q4_0,q5_1]")
+    assert "kv_llama_cpp: 'q5_1' is not one of llama.cpp's KV types ['f16', 'q8_0', 'q4_0']" in str(e.value)
+    assert "compare_llama_cpp=true needs llama-cpp-python" in str(e.value)
+    micro(tmp_path, "part=kv_speed", "compare_llama_cpp=true", "kv_llama_cpp=[]", "contexts=[8]", "steps=1",
+          "repeats=1", "backends=[dense]")  # no llama.cpp rows asked for: nothing to refuse
 
 
 def test_weights_quality_names_each_kernel_when_several_are_compared(tmp_path):
@@ -438,6 +444,44 @@ def test_the_llama_cpp_anchor_decodes_the_prompts_our_fp32_model_decodes(tmp_pat
     assert ll["vs_llama_cpp"] == 1.0 and ll["decode_tok_s"] > 0 and ll["ttft_ms"] > 0
     assert by["fp32"]["vs_llama_cpp"] == pytest.approx(by["fp32"]["decode_tok_s"] / ll["decode_tok_s"])
     assert ll["first_difference_median"] >= 3, ll
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python (the optional llama.cpp anchor, README) is not installed")
+def test_kv_speed_times_llama_cpp_with_each_kv_type_on_the_same_prompt(tmp_path):
+    """part=kv_speed's llama.cpp rows: SmolLM2's Q4_1 GGUF with f16 and q4_0 K/V (flash
+    attention), the KV bytes at each type's size per element; its greedy steps with f16 KV
+    continue the same prompt ids as llama.cpp's default decode (the same tokens for several
+    steps), and q4_0 KV keeps the first of them."""
+    from decodelab.experiments import harness
+    from decodelab.experiments.workloads import synthetic_prompt
+    from decodelab.models.reference import llama_cpp_generate_timed, llama_cpp_steps
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="micro", overrides=[
+            "model=smollm2-135m", "threads=1", "part=kv_speed", "contexts=[40]", "steps=4", "repeats=1",
+            "backends=[dense]", "compare_llama_cpp=true", "kv_llama_cpp=[f16,q4_0]"])
+    rows = run(cfg, tmp_path)
+    by = {r["system"]: r for r in rows}
+    assert list(by) == ["dense", "hf-QuantizedCache", "llama.cpp Q4_1, f16 KV", "llama.cpp Q4_1, q4_0 KV"]
+    f16, q4 = by["llama.cpp Q4_1, f16 KV"], by["llama.cpp Q4_1, q4_0 KV"]
+    assert f16["itl_ms"] > 0 and q4["itl_ms"] > 0
+    assert q4["kv_bytes"] / f16["kv_bytes"] == pytest.approx(18 / 64)  # q4_0: 18 bytes per 32 elements
+    assert f16["kv_bytes"] % (2 * 30 * 3 * 64 * 2) == 0  # SmolLM2: 30 layers, 3 kv heads, d 64, 2 bytes each
+    lm = harness.load_model(cfg)
+    prompt = synthetic_prompt(lm, 40)
+    plain, _ = llama_cpp_generate_timed(llama_cpp_for_test(cfg, lm, None), prompt, 6)
+    runs = {kv: llama_cpp_steps(llama_cpp_for_test(cfg, lm, kv), prompt, 5, harness.Timer(lm.model.device))
+            for kv in ("f16", "q4_0")}
+    first = next((i for i, (a, b) in enumerate(zip(runs["f16"], plain)) if a != b), len(plain))
+    assert first >= 3 and runs["q4_0"][0] == plain[0], (runs, plain)
+
+
+def llama_cpp_for_test(cfg, lm, kv):
+    from decodelab.experiments.micro_weights import llama_cpp_for
+
+    return llama_cpp_for(cfg, lm, 64, kv)
 
 
 def test_kv_quality_at_long_context_forces_the_text_after_concatenated_conversations(tmp_path):
