@@ -310,8 +310,11 @@ def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
         micro(tmp_path, "part=kv_speed", "compare_llama_cpp=true", "kv_llama_cpp=[q4_0,q5_1]")
     assert "kv_llama_cpp: 'q5_1' is not one of llama.cpp's KV types ['f16', 'q8_0', 'q4_0']" in str(e.value)
     assert "compare_llama_cpp=true needs llama-cpp-python" in str(e.value)
-    micro(tmp_path, "part=kv_speed", "compare_llama_cpp=true", "kv_llama_cpp=[]", "contexts=[8]", "steps=1",
-          "repeats=1", "backends=[dense]")  # no llama.cpp rows asked for: nothing to refuse
+    from decodelab.experiments.micro import check
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        check(compose(config_name="micro", overrides=[*TINY, "part=kv_speed", "compare_llama_cpp=true",
+                                                      "kv_llama_cpp=[]"]))  # no llama.cpp rows: nothing refused
 
 
 def test_weights_quality_names_each_kernel_when_several_are_compared(tmp_path):
