@@ -56,10 +56,11 @@ def hf_int4(hf, cfg):
 
 # -- ours -----------------------------------------------------------------------------------------
 @torch.no_grad()
-def our_steps(model, factory, prompt: list[int], steps: int, timer) -> int:
-    """Prefill, then `steps` greedy one-token forwards, each timed; the cache's bytes."""
+def our_steps(model, factory, prompt: list[int], steps: int, timer, chunk: int | None = None) -> int:
+    """Prefill (in chunks of `chunk` tokens; None: one pass), then `steps` greedy one-token
+    forwards, each timed; the cache's bytes."""
     cache = make_cache(model, 1, len(prompt) + steps + 1, factory)
-    tok = prefill(model, cache, [prompt]).argmax(-1)[:, None]  # [1, 1]
+    tok = prefill(model, cache, [prompt], chunk).argmax(-1)[:, None]  # [1, 1]
     for _ in range(steps):
         with timer:
             tok = model(tok, cache.lengths[:, None].to(model.device), cache)[:, -1].argmax(-1)[:, None]
@@ -67,7 +68,7 @@ def our_steps(model, factory, prompt: list[int], steps: int, timer) -> int:
 
 
 @torch.no_grad()
-def compiled_steps(model, factory, prompt: list[int], steps: int, timer, built: dict) -> int:
+def compiled_steps(model, factory, prompt: list[int], steps: int, timer, built: dict, chunk: int | None = None) -> int:
     """`our_steps` through the compiled static step (decoding/compiled.py): compiled once per
     backend and cache shape (kept in `built`, its compile time beside it), then per call the
     cache emptied, the prompt prefilled, `steps` greedy steps each timed; the cache's bytes."""
@@ -80,7 +81,7 @@ def compiled_steps(model, factory, prompt: list[int], steps: int, timer, built: 
         built["compile_s"] = time.perf_counter() - t0
     cache, step = built["cache"], built["step"]
     cache.reset()
-    tok = prefill(model, cache, [prompt]).argmax(-1)  # [1]
+    tok = prefill(model, cache, [prompt], chunk).argmax(-1)  # [1]
     for _ in range(steps):
         with timer:
             tok = step.step(tok).argmax(-1)
@@ -110,10 +111,11 @@ def llama_cpp_kv(cfg, lm, ctx: int) -> dict:
 
 
 def kv_speed(cfg, lm, hf) -> list[dict]:
-    """Decode ITL after a synthetic prompt of each context, per backend, eager and (with
-    `kv_compile`) through the compiled step, transformers' QuantizedCache beside, and
-    llama.cpp with each KV type of `kv_llama_cpp` where it is installed (`compare_llama_cpp`);
-    every system timed in turn within each repeat. `itl_vs_<first>`: over the first
+    """Decode ITL after a synthetic prompt of each context (prefilled in chunks of
+    `prefill_chunk`), per backend, eager and (with `kv_compile`) through the compiled step,
+    transformers' QuantizedCache beside (with `compare_transformers`), and llama.cpp with
+    each KV type of `kv_llama_cpp` where it is installed (`compare_llama_cpp`); every system
+    timed in turn within each repeat. `itl_vs_<first>`: over the first
     backend's eager ITL; `vs_first_same_mode`: over the first backend's ITL in the same mode
     (eager for transformers and llama.cpp)."""
     from decodelab.models.quantize import WeightOptions
@@ -132,10 +134,12 @@ def kv_speed(cfg, lm, hf) -> list[dict]:
                 for name in cfg.backends:
                     n = f"{tag}{name}{mode}"
                     built[n] = {}
-                    systems[n] = (partial(compiled_steps, model, harness.cache_factory(name), built=built[n]) if mode
-                                  else partial(our_steps, model, harness.cache_factory(name)))
-        systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(hf, p, s, cache=hf_int4(hf, cfg),
-                                                                                   timer=timer)[1])
+                    systems[n] = (partial(compiled_steps, model, harness.cache_factory(name), built=built[n],
+                                          chunk=cfg.prefill_chunk) if mode
+                                  else partial(our_steps, model, harness.cache_factory(name), chunk=cfg.prefill_chunk))
+        if hf is not None:
+            systems["hf-QuantizedCache"] = lambda p, s, timer: hf_cache_bytes(hf_steps(
+                hf, p, s, cache=hf_int4(hf, cfg), timer=timer)[1])
         systems |= llama_cpp_kv(cfg, lm, ctx)
         prompt = synthetic_prompt(lm, ctx)
         timers = {n: harness.Timer(lm.model.device) for n in systems}
@@ -454,6 +458,9 @@ def check(cfg: DictConfig) -> None:
         p += [f"kv_llama_cpp: {t!r} is not one of llama.cpp's KV types {list(LLAMA_CPP_KV)}" for t in cfg.kv_llama_cpp
               if t not in LLAMA_CPP_KV]
         p += llama_cpp_problems(cfg) if list(cfg.kv_llama_cpp) else []
+        p += harness.int_problems(cfg, {"prefill_chunk": 1}, nullable=("prefill_chunk",))
+        if not isinstance(cfg.compare_transformers, bool):
+            p.append(f"compare_transformers must be true or false, got {cfg.compare_transformers!r}")
     p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
     if cfg.part in ("weights", "weights_quality", "step_profile"):
@@ -535,8 +542,8 @@ def run(cfg: DictConfig, out) -> list[dict]:
     part, print its table and write one summary record per row to `out`/results.jsonl."""
     check(cfg)
     lm = harness.load_model(cfg)
-    hf = hf_model_for(lm) if cfg.part in ("kv_speed", "kv_quality") or (
-        cfg.part in ("weights", "weights_quality", "perplexity") and cfg.compare_transformers) else None
+    hf = hf_model_for(lm) if cfg.part == "kv_quality" or (
+        cfg.part in ("kv_speed", "weights", "weights_quality", "perplexity") and cfg.compare_transformers) else None
     rows = PARTS[cfg.part](cfg, lm, hf)
     cond = harness.run_conditions(lm)
     rid = harness.run_id(cfg.part)

@@ -65,6 +65,31 @@ def test_kv_speed_rows_per_context_and_system(tmp_path, monkeypatch):
     assert len(runs) == 6 and {r["entry"] for r in runs} == {"micro"}
 
 
+def test_kv_speed_prefills_in_chunks_and_leaves_transformers_out_when_asked(tmp_path, monkeypatch):
+    """prefill_chunk: the prompt in chunks (the cache then holds what one pass holds: the same
+    bytes, the same greedy steps); compare_transformers=false: no QuantizedCache row, and
+    transformers' model is never built; bad values refused before the model loads."""
+    import importlib
+
+    from decodelab.experiments import harness, micro as micro_mod
+
+    prefill_mod = importlib.import_module("decodelab.decoding.prefill")
+
+    monkeypatch.setattr(harness, "Timer", FixedTimer)
+    monkeypatch.setattr(micro_mod, "hf_model_for", lambda lm: pytest.fail("transformers' model was built"))
+    chunks = []
+    real = prefill_mod._run
+    monkeypatch.setattr(prefill_mod, "_run", lambda m, c, p, k, *a: chunks.append(k) or real(m, c, p, k, *a))
+    rows = micro(tmp_path, "part=kv_speed", "contexts=[40]", "steps=2", "repeats=1", "backends=[dense,int4]",
+                 "prefill_chunk=16", "compare_transformers=false")
+    assert [r["system"] for r in rows] == ["dense", "int4"] and chunks == [16, 16]
+    assert rows[0]["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (40 + 2 + 1)
+    with pytest.raises(SetupError) as e:
+        micro(tmp_path, "part=kv_speed", "prefill_chunk=0", "compare_transformers=maybe")
+    assert "prefill_chunk must be null or an integer >= 1, got 0" in str(e.value)
+    assert "compare_transformers must be true or false, got 'maybe'" in str(e.value)
+
+
 def test_kv_speed_times_the_compiled_step_beside_the_eager_one(tmp_path, monkeypatch):
     """kv_compile=true: each backend also through the compiled static step (dynamo's eager
     backend here: fast to build), compiled once per context with its compile time; ratios
