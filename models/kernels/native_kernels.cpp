@@ -889,6 +889,70 @@ static inline AVX512 __attribute__((always_inline)) void key_rows512(const int J
     }
 }
 
+/* 128-bit lane L of v (16 rows' codes of channel c + 16 L) against JN query heads: 16 tokens'
+   low nibbles into al[L & 1][j], high into ah[L & 1][j], each times that channel of the folded
+   query (two accumulator sets: shorter FMA chains). */
+#define KEY_LANE(L)                                                                                        \
+    do {                                                                                                   \
+        __m512i e = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, L));                                 \
+        __m512 cl = _mm512_cvtepi32_ps(_mm512_and_si512(e, m4)), ch = _mm512_cvtepi32_ps(_mm512_srli_epi32(e, 4)); \
+        const float* qc = qs + c + 16 * (L);                                                               \
+        for (int j = 0; j < JN; j++) {                                                                     \
+            __m512 qv = _mm512_set1_ps(qc[j * D]);                                                         \
+            al[(L) & 1][j] = _mm512_fmadd_ps(cl, qv, al[(L) & 1][j]);                                      \
+            ah[(L) & 1][j] = _mm512_fmadd_ps(ch, qv, ah[(L) & 1][j]);                                      \
+        }                                                                                                  \
+    } while (0)
+
+/* key_rows512 for 16 byte rows [r, r + 16) of a key group at once (D % 64 == 0), the tokens in
+   the lanes: each 64 channels of the 16 rows transposed in registers (four rounds of unpacks,
+   after which 128-bit lane L of output 8 h + 4 h2 + 2 h3 + h4 holds the 16 rows' bytes of
+   channel 16 L + 8 h + 4 h2 + 2 h3 + h4), then per channel its codes (low nibbles: tokens
+   r.., high: r + KR..) times the folded query's channel: no horizontal sums. Scores to
+   lo[j * ss + r ..] and hi[j * ss + r ..] as key_rows512 writes them (the summation order
+   over channels differs). */
+static inline AVX512 __attribute__((always_inline)) void key_block512(const int JN, const uint8_t* kg, int64_t r,
+        const float* qs, const float* qo, int64_t D, float* lo, float* hi, int64_t ss) {
+    __m512 al[2][4], ah[2][4];
+    for (int a = 0; a < 2; a++)
+        for (int j = 0; j < 4; j++) al[a][j] = ah[a][j] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi32(0x0F);
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        __m512i x[16], y[16];
+        for (int i = 0; i < 16; i++) x[i] = _mm512_loadu_si512((const void*)(kg + (r + i) * D + c0));
+        for (int i = 0; i < 8; i++) {  /* rows 2i, 2i + 1: channels 0-7 (y[2i]) and 8-15 (y[2i + 1]) of each lane */
+            y[2 * i] = _mm512_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+            y[2 * i + 1] = _mm512_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+        }
+        for (int k = 0; k < 4; k++)  /* rows 4k..4k+3: x[4k + 2h + h2], channels 8h + 4h2 + 0..3 */
+            for (int h = 0; h < 2; h++) {
+                x[4 * k + 2 * h] = _mm512_unpacklo_epi16(y[4 * k + h], y[4 * k + 2 + h]);
+                x[4 * k + 2 * h + 1] = _mm512_unpackhi_epi16(y[4 * k + h], y[4 * k + 2 + h]);
+            }
+        for (int m = 0; m < 2; m++)  /* rows 8m..8m+7: y[8m + 2(2h + h2) + h3], channels 8h + 4h2 + 2h3 + 0..1 */
+            for (int hh = 0; hh < 4; hh++) {
+                __m512i a = x[8 * m + hh], b = x[8 * m + 4 + hh];
+                y[8 * m + 2 * hh] = _mm512_unpacklo_epi32(a, b);
+                y[8 * m + 2 * hh + 1] = _mm512_unpackhi_epi32(a, b);
+            }
+        for (int t = 0; t < 8; t++)  /* rows 0..15 of channel 2t + h4 (t = 4h + 2h2 + h3) */
+            for (int h4 = 0; h4 < 2; h4++) {
+                __m512i v = h4 ? _mm512_unpackhi_epi64(y[t], y[8 + t]) : _mm512_unpacklo_epi64(y[t], y[8 + t]);
+                int64_t c = c0 + 2 * t + h4;  /* lane L: channel c + 16 L */
+                KEY_LANE(0);
+                KEY_LANE(1);
+                KEY_LANE(2);
+                KEY_LANE(3);
+            }
+    }
+    for (int j = 0; j < JN; j++) {
+        __m512 off = _mm512_set1_ps(qo[j]);
+        _mm512_storeu_ps(lo + j * ss + r, _mm512_add_ps(_mm512_add_ps(al[0][j], al[1][j]), off));
+        _mm512_storeu_ps(hi + j * ss + r, _mm512_add_ps(_mm512_add_ps(ah[0][j], ah[1][j]), off));
+    }
+}
+#undef KEY_LANE
+
 /* exp8, 16 lanes */
 static inline AVX512 __m512 exp16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.3f);
@@ -1018,15 +1082,24 @@ static AVX512 void int4_keys_512(const Int4Item* it) {
         int64_t base = blk * KG, x = pa - base, y = pb - base;
         int64_t r0 = x - KR > 0 ? x - KR : 0, r1 = y < KR ? y : KR;
         const uint8_t* kg = it->kd + blk * KR * D;
+        /* whole blocks of 16 rows with the tokens in the lanes (D % 64 == 0), the rest row by row */
+        int64_t rb = D % 64 == 0 ? r0 + (r1 - r0) / 16 * 16 : r0;
         for (int64_t j0 = 0; j0 < g; j0 += 4) {
             int jn = g - j0 < 4 ? (int)(g - j0) : 4;
             const float* qj = qs + j0 * D;
             float* lo = sc + j0 * span + (base - pa);
+            for (int64_t r = r0; r < rb; r += 16)
+                switch (jn) {
+                    case 1: key_block512(1, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
+                    case 2: key_block512(2, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
+                    case 3: key_block512(3, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
+                    default: key_block512(4, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
+                }
             switch (jn) {
-                case 1: key_rows512(1, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-                case 2: key_rows512(2, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-                case 3: key_rows512(3, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-                default: key_rows512(4, kg, r0, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                case 1: key_rows512(1, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                case 2: key_rows512(2, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                case 3: key_rows512(3, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
+                default: key_rows512(4, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
             }
         }
     }
