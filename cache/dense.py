@@ -94,7 +94,7 @@ class StoredKV:
     def reset(self) -> None:
         """Forget every row (fp8: the next forward sets the scales again)."""
         super().reset()
-        if getattr(self, "fp8", False):  # reset runs in KVCache's constructor, before _storage
+        if getattr(self, "fp8", False):  # (a subclass may reset before _storage ran)
             for t in self.k_scale + self.v_scale:
                 t.fill_(1.0)
             self.scaled = [False] * self.layout.n_layers

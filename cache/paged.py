@@ -395,7 +395,7 @@ class PagedCache(StoredKV, KVCache):
         [B, Hq, T, D] over the gathered keys of the layer's window (a compiled step's
         `StaticPlan`: through the block table, every block a row maps)."""
         if isinstance(plan, StaticPlan):
-            return plan.call(plan.attend_pools, layer, q, k, v, self._scales(layer) if self.fp8 else None)
+            return plan.call(plan.attend_pools, layer, q, k, v, *((self._scales(layer),) if self.fp8 else ()))
         D = self.layout.head_dim
         k_new, v_new = self._stored(layer, k, v) if self.kv_dtype != k.dtype else (k, v)
         for flat, new in ((self._kflat[layer], k_new), (self._vflat[layer], v_new)):
@@ -503,6 +503,9 @@ class PagedCache(StoredKV, KVCache):
         super().reset()
         self._free_from(torch.zeros(self.batch_size, dtype=torch.long))
         self.prefix_reused_tokens = 0
+        if self.fp8:  # the scales start over: blocks stored at the old ones must not be mapped as a prefix
+            self.alloc.by_hash.clear()
+            self.alloc.hash_of.clear()
 
     def release(self, row: int) -> None:
         """Forget one row: its blocks go to the free list (keeping their prefix hashes)."""

@@ -174,6 +174,19 @@ def test_a_paged_cache_of_each_kv_dtype_equals_dense_of_that_dtype(kind):
     assert torch.equal(paged.read(1, 0)[1][:, 30:32], dense.read(1, 0)[1][:, 1:3])
 
 
+def test_a_reset_fp8_paged_cache_maps_no_prefix_stored_at_the_old_scales():
+    """reset sets fp8's scales over; blocks a prompt left behind were stored at the old ones,
+    so the same prompt again computes them (bf16 keeps mapping them: no scales)."""
+    lay = layout()
+    for kind, reused in (("float8_e4m3", 0), ("bfloat16", 8)):
+        c = PagedCache(lay, 1, 40, block_size=4, kv_dtype=kind)
+        prompt = list(range(10))
+        fed(c, 0, torch.Generator().manual_seed(3), T0=10)
+        c.remember_prefix([prompt])
+        c.reset()
+        assert c.reuse_prefix([prompt]) == [reused], kind
+
+
 def test_paged_kv_dtype_bytes_and_refusals():
     """The pool at the storage dtype (fp8's scales in planned_bytes, as dense's); an unknown
     kv_dtype and the Triton kernel (the model's dtype only) asked for another dtype refused."""
