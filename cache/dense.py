@@ -25,7 +25,7 @@ from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attent
                                   reference_attention)
 from decodelab.cache.kernels.paged import dense_as_pool
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES
-from decodelab.cache.static import StaticPlan, native_attention_serves
+from decodelab.cache.static import FP8_MAX, StaticPlan, native_attention_serves, to_fp8
 from decodelab.models.errors import raise_if
 from decodelab.cache.tree import Tree, tree_visible
 
@@ -54,7 +54,6 @@ class DensePlan(Plan):
 #: kv_dtype option -> storage dtype (auto: the model's)
 KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float8_e4m3": torch.float8_e4m3fn}
-FP8_MAX = 448.0  # the largest e4m3 (fn) value
 FP8_HEADROOM = 4.0  # a scale fits this many times the first forward's largest |K| (|V|) per head
 
 
@@ -66,9 +65,10 @@ def storage_dtype(layout: CacheLayout, kv_dtype: str) -> torch.dtype:
     return KV_DTYPES[kv_dtype] or layout.dtype
 
 
-def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [B, Hkv, T, D] / scale [Hkv] as e4m3 (round to nearest), saturated at +-FP8_MAX."""
-    return (x.float() / scale[None, :, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+def stored_token_bytes(layout: CacheLayout, kv_dtype: str) -> int:
+    """K and V of one token, every layer, at the storage dtype of the `kv_dtype` option."""
+    elem = torch.empty((), dtype=storage_dtype(layout, kv_dtype)).element_size()
+    return 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * elem
 
 
 class StoredKV:
@@ -158,9 +158,7 @@ class DenseCache(StoredKV, KVCache):
         """The buffers at the storage dtype (fp8: plus one fp32 scale per layer, head, K and V);
         a subclass's other options do not change them."""
         raise_if(kv_dtype_problems(kv_dtype))
-        elem = torch.empty((), dtype=storage_dtype(layout, kv_dtype)).element_size()
-        return (batch_size * capacity * 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * elem
-                + scale_bytes(layout, kv_dtype))
+        return batch_size * capacity * stored_token_bytes(layout, kv_dtype) + scale_bytes(layout, kv_dtype)
 
     def __init__(self, layout: CacheLayout, batch_size: int, capacity: int, kv_dtype: str = "auto"):
         raise_if(kv_dtype_problems(kv_dtype))

@@ -36,7 +36,7 @@ import torch
 
 from decodelab.cache.base import (CacheLayout, KVCache, Plan, StaticView, attention_mask, extend,
                                   is_plain_causal, reference_attention)
-from decodelab.cache.dense import StoredKV, kv_dtype_problems, scale_bytes, storage_dtype
+from decodelab.cache.dense import StoredKV, kv_dtype_problems, scale_bytes, storage_dtype, stored_token_bytes
 from decodelab.cache.kernels.dispatch import DECODE_QUERIES, impl_problems, resolve_impl, split_count
 from decodelab.cache.kernels.paged import paged_attention_triton
 from decodelab.cache.static import StaticPlan
@@ -113,12 +113,6 @@ def waste_report(lengths: list[int], block_size: int = 16, bytes_per_token: int 
             "paged_waste_fraction": (paged - tokens) / paged, "dense_waste_fraction": (dense - tokens) / dense}
 
 
-def _block_bytes(layout: CacheLayout, kv_dtype: str, block_size: int) -> int:
-    """K and V of one block, every layer, at the storage dtype."""
-    elem = torch.empty((), dtype=storage_dtype(layout, kv_dtype)).element_size()
-    return 2 * layout.n_layers * layout.n_kv_heads * layout.head_dim * elem * block_size
-
-
 def pool_size(block_bytes: int, block_size: int, batch_size: int, capacity: int, num_blocks: int | None,
               budget_mb: float | None) -> tuple[int, list[str]]:
     """Blocks in the pool (given, from the budget, or one full row per batch row), and
@@ -180,7 +174,7 @@ class PagedCache(StoredKV, KVCache):
             reasons = e.reasons + reasons
         self.block_size = block_size
         ok = not kv_dtype_problems(kv_dtype)
-        self.block_bytes = _block_bytes(layout, kv_dtype if ok else "auto", block_size)  # K and V, all layers
+        self.block_bytes = stored_token_bytes(layout, kv_dtype if ok else "auto") * block_size  # K, V, all layers
         n, more = pool_size(self.block_bytes, block_size, batch_size, capacity, num_blocks, memory_budget_mb)
         if ok and impl == "triton" and storage_dtype(layout, kv_dtype) != layout.dtype:
             more.append(f"impl=triton reads K/V in the model's dtype ({str(layout.dtype).removeprefix('torch.')}); "
@@ -214,7 +208,7 @@ class PagedCache(StoredKV, KVCache):
         the storage dtype (num_blocks given, from the budget, or one full row per batch row);
         fp8: plus its scales."""
         raise_if(kv_dtype_problems(kv_dtype))
-        block_bytes = _block_bytes(layout, kv_dtype, block_size)
+        block_bytes = stored_token_bytes(layout, kv_dtype) * block_size
         n, reasons = pool_size(block_bytes, block_size, batch_size, capacity, num_blocks, memory_budget_mb)
         raise_if(reasons)
         return n * block_bytes + scale_bytes(layout, kv_dtype)

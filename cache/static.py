@@ -195,13 +195,21 @@ class StaticPlan:
         return masked_attention(q, keys, values, seen, self.layout)
 
 
+FP8_MAX = 448.0  # the largest e4m3 (fn) value
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [B, Hkv, T, D] / scale [Hkv] as e4m3 (round to nearest), saturated at +-FP8_MAX."""
+    return (x.float() / scale[None, :, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def _as_stored(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, scales=None):
-    """New k, v [B, Hkv, T, D] rounded to a storage dtype; `scales` (fp8: K's and V's [Hkv])
-    divide them first, saturated at e4m3's largest value."""
+    """New k, v [B, Hkv, T, D] rounded to a storage dtype; `scales` (fp8: K's and V's [Hkv]):
+    `to_fp8`."""
     if dtype == k.dtype:
         return k, v
     if scales is not None:
-        k, v = ((x.float() / s[None, :, None, None]).clamp(-448.0, 448.0) for x, s in zip((k, v), scales))
+        return to_fp8(k, scales[0]), to_fp8(v, scales[1])
     return k.to(dtype), v.to(dtype)
 
 
