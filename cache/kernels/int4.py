@@ -69,20 +69,57 @@ def int4_attention_reference(
     window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,  # kernel tuning (quantized-range splits); no effect on the result
+    int16_query: bool = False,
 ) -> torch.Tensor:
     """Attention [B, Hq, T, D]: the query at q over positions p <= q inside its window,
-    dequantized where p < V(q), exact where p >= V(q). A query that sees no key gets zeros."""
+    dequantized where p < V(q), exact where p >= V(q). A query that sees no key gets zeros.
+    `int16_query`: the quantized keys' scores as the native kernel computes them
+    (`int16_key_scores`), the rest as without it."""
     outs = []
     for b in range(q.shape[0]):
         kpos, k, v = row_keys(rows, b, q.dtype)  # [S], [Hkv, S, D]
-        isq = torch.arange(kpos.shape[0], device=kpos.device) < rows.dequant_to[b] - rows.dequant_from[b]  # [S]
+        nq = rows.dequant_to[b] - rows.dequant_from[b]
+        isq = torch.arange(kpos.shape[0], device=kpos.device) < nq  # [S]
         qp, vq = qpos[b].to(kpos.device)[:, None], vis[b].to(kpos.device)[:, None]  # [T, 1]
         mask = (kpos <= qp) & torch.where(isq, kpos < vq, kpos >= vq)  # [T, S]
         if window is not None:
             mask &= kpos > qp - window
-        out = reference_attention(q[b:b + 1], k[None], v[None], mask[None, None], scale, softcap)
+        if int16_query and nq > 0 and softcap is None:
+            group = q.shape[1] // k.shape[0]
+            scores = (q[b] @ k.repeat_interleave(group, 0).transpose(-1, -2)) * scale  # [Hq, T, S]
+            scores[..., :nq] = int16_key_scores(q[b], rows, b, scale)
+            p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+            out = (p @ v.repeat_interleave(group, 0))[None]
+        else:
+            out = reference_attention(q[b:b + 1], k[None], v[None], mask[None, None], scale, softcap)
         outs.append(out.masked_fill(~mask.any(-1)[None, None, :, None], 0.0))
     return torch.cat(outs)
+
+
+def int16_key_scores(q: torch.Tensor, rows: Int4Rows, b: int, scale: float) -> torch.Tensor:
+    """Row b's scores [Hq, T, dequant_to - dequant_from] of its quantized keys as the native
+    kernel computes them: per key group (KG tokens of each channel) and query head, the query
+    times `scale` times the group's scales, q' [D], is rounded to int16 against its largest,
+    q16 = round(q' x 32767 / max|q'|) (half to even; 0 where q' is 0), and a key's score is
+    max|q'| / 32767 x sum_d q16_d code_d (the integer sum exact) + sum_d (q_d scale) shift_d.
+    Against the exact dot product each score moves by at most max|q'| / 65534 x sum_d code_d."""
+    g, lo, hi = rows.key_grouping, rows.dequant_from[b], rows.dequant_to[b]
+    st = g.span(rows.key_codes[b], lo, hi)  # data [Hkv, J, KG / 2, D], scale and offset [Hkv, J, 1, D]
+    Hkv, J, _, D = st.data.shape
+    Hq, T = q.shape[0], q.shape[1]
+    codes = torch.empty(Hkv, hi - lo, D, dtype=torch.float32, device=q.device)
+    dequantize_into(g.region(codes, hi - lo), QStore(st.data, torch.ones_like(st.scale), torch.zeros_like(st.offset)),
+                    g)
+    group = Hq // Hkv
+    ks, ko = (t.float().squeeze(2).repeat_interleave(group, 0) for t in (st.scale, st.offset))  # [Hq, J, D]
+    qv = q.float() * scale  # [Hq, T, D]
+    qs = qv[:, :, None, :] * ks[:, None]  # [Hq, T, J, D]
+    amax = qs.abs().amax(-1, keepdim=True)
+    q16 = torch.round(qs * torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax)))
+    isum = torch.einsum("htjd,hjkd->htjk", q16.double(),
+                        codes.view(Hkv, J, -1, D).repeat_interleave(group, 0).double())  # exact: integers
+    qo = (qv[:, :, None, :] * ko[:, None]).sum(-1)  # [Hq, T, J]
+    return (isum.float() * (amax / 32767.0) + qo[..., None]).reshape(Hq, T, hi - lo)
 
 
 def int4_attention_triton(q, rows, qpos, vis, scale, window=None, softcap=None, num_splits=None) -> torch.Tensor:

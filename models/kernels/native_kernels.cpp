@@ -9,11 +9,17 @@
 #include <math.h>
 #include <omp.h>
 
+
 extern "C" {
 
 /* How many weight rows ahead the one-row kernels fetch: far enough ahead to cover the memory's
    latency (experiments/README.md, "Batch-1 decode at the memory roofline") */
 #define ROWS_AHEAD 16
+/* How far ahead of the codes they read the int4 attention's key and value loops fetch (bytes;
+   the hardware prefetcher alone left the 8k-token layer waiting on memory: one layer's
+   stores at a time, SmolLM2's shapes at 8000 tokens, 106 -> 80 us a call with these). */
+#define KEYS_AHEAD 4096
+#define VALUES_AHEAD 8192
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -666,30 +672,6 @@ static inline __m256 nib8(const uint8_t* p, int hi) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(0x0F))));
 }
 
-/* Scores of JN (1..4) query heads against the two tokens of byte row `row` of a key group
-   (its D codes: token r in the low nibbles, token r + KG/2 in the high ones): qs [JN, D] the
-   query folded with the group's scales, qo [JN] with its shifts. out_lo / out_hi [JN]. */
-static inline __attribute__((always_inline)) void key_pair(const int JN, const uint8_t* row, const float* qs,
-        const float* qo, int64_t D, float* out_lo, float* out_hi) {
-    __m256 lo[4], hi[4];
-    for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int64_t d = 0; d < D; d += 8) {
-        __m128i v = _mm_loadl_epi64((const __m128i*)(row + d));
-        __m256 cl = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
-        __m256 ch = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
-        for (int j = 0; j < JN; j++) {
-            __m256 qv = _mm256_loadu_ps(qs + j * D + d);
-            lo[j] = _mm256_fmadd_ps(cl, qv, lo[j]);
-            hi[j] = _mm256_fmadd_ps(ch, qv, hi[j]);
-        }
-    }
-    float l[4], h[4];
-    _mm_storeu_ps(l, hsum4(lo[0], lo[1], lo[2], lo[3]));
-    _mm_storeu_ps(h, hsum4(hi[0], hi[1], hi[2], hi[3]));
-    for (int j = 0; j < JN; j++) { out_lo[j] = l[j] + qo[j]; out_hi[j] = h[j] + qo[j]; }
-}
-
 /* o_j[r .. r + 8) += sum_s wv[j, s] code_lo(s) and o_j[r + VR ..) += sum_s wv[j, s] code_hi(s)
    over n tokens whose codes for this group lie at row + s * step (bytes r .. r + 8 of each),
    for JN (1..4) query heads: wv [JN, ws] (stride ws), o_j = o + j * os. */
@@ -699,6 +681,7 @@ static inline __attribute__((always_inline)) void value_cols(const int JN, const
     for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
     const __m128i mask = _mm_set1_epi8(0x0F);
     for (int64_t s = 0; s < n; s++) {
+        _mm_prefetch((const char*)(row + s * step) + VALUES_AHEAD, _MM_HINT_T0);
         __m128i v = _mm_loadl_epi64((const __m128i*)(row + s * step));
         __m256 cl = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
         __m256 ch = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
@@ -745,50 +728,183 @@ typedef struct {
     int64_t span;  /* the stride of sc and of the [g, ...] and [NV, ...] scratch arrays */
     float* pr;  /* per query head: max, sum, output [D] (stride D + 2) */
     float* tmp;  /* scratch: [g, D] + [g] + [g, span] + 2 [NV, span] + [g] floats */
+    float* fold;  /* scratch: D floats (fold_query_int16) */
 } Int4Item;
 
-/* Quantized keys, AVX2: scores sc[j, s - pa] of the positions [pa, pb). Per key group the
-   query is folded with the group's scales (qs [g, D]) and shifts (qo [g]); then each byte row
-   of codes (two tokens) is dotted with up to 4 query heads at once. */
-static void int4_keys_avx2(const Int4Item* it) {
-    int64_t D = it->D, g = it->g, KG = it->KG, KR = KG / 2, pa = it->pa, pb = it->pb, span = it->span;
-    float *qs = it->tmp, *qo = qs + g * D, *sc = it->sc;
-    for (int64_t blk = pa / KG; blk * KG < pb; blk++) {
-        for (int64_t j = 0; j < g; j++) {
-            const float* qr = it->qh + j * it->T * D;
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qr + d), _mm256_set1_ps(it->scale));
-                _mm256_storeu_ps(qs + j * D + d, _mm256_mul_ps(qv, scale8(it->ks, it->skind, it->kso + blk * D + d)));
-                a = _mm256_fmadd_ps(qv, scale8(it->ko, it->skind, it->kso + blk * D + d), a);
-            }
-            qo[j] = hsum(a);
+/* The query folded with key group `blk`'s scales, for the integer key scores (int4_keys_int):
+   per query head j, q' = (q scale) x the group's scales, rounded to int16 as
+   q16 = rne(q' x (32767 / max|q'|)) (0 where q' is all 0), laid out in qp [j, D / 2] as the
+   two dwords of each 4 channels c.. c + 3: (q16_c, q16_{c+2}), (q16_{c+1}, q16_{c+3}); its step
+   dx[j] = max|q'| / 32767; and qo[j] = sum_d (q_d scale) shift_d. The same code on every
+   instruction set (so the scores are bit-identical across them); qf: D floats of scratch. */
+static void fold_query_int16(const Int4Item* it, int64_t blk, int32_t* qp, float* dx, float* qo, float* qf) {
+    int64_t D = it->D;
+    const __m256 sv = _mm256_set1_ps(it->scale), sign = _mm256_set1_ps(-0.0f);
+    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    for (int64_t j = 0; j < it->g; j++) {
+        const float* qr = it->qh + j * it->T * D;
+        __m256 a = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 qv = _mm256_mul_ps(_mm256_loadu_ps(qr + d), sv);
+            __m256 qs = _mm256_mul_ps(qv, scale8(it->ks, it->skind, it->kso + blk * D + d));
+            _mm256_storeu_ps(qf + d, qs);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, qs));
+            a = _mm256_fmadd_ps(qv, scale8(it->ko, it->skind, it->kso + blk * D + d), a);
         }
-        int64_t s0 = blk * KG > pa ? blk * KG : pa, s1 = blk * KG + KG < pb ? blk * KG + KG : pb;
-        /* byte rows r of the group: tokens blk KG + r and blk KG + r + KR, each kept if in [s0, s1) */
-        for (int64_t r = 0; r < KR; r++) {
-            int64_t ta = blk * KG + r, tb = ta + KR;
-            int in_a = ta >= s0 && ta < s1, in_b = tb >= s0 && tb < s1;
-            if (!in_a && !in_b) continue;
-            const uint8_t* row = it->kd + (blk * KR + r) * D;
-            for (int64_t j0 = 0; j0 < g; j0 += 4) {
-                float la[4], lb[4];
-                int jn = g - j0 < 4 ? (int)(g - j0) : 4;
-                const float* qj = qs + j0 * D;
-                switch (jn) {
-                    case 1: key_pair(1, row, qj, qo + j0, D, la, lb); break;
-                    case 2: key_pair(2, row, qj, qo + j0, D, la, lb); break;
-                    case 3: key_pair(3, row, qj, qo + j0, D, la, lb); break;
-                    default: key_pair(4, row, qj, qo + j0, D, la, lb); break;
+        qo[j] = hsum(a);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.0f / amax : 0.f);
+        dx[j] = amax / 32767.0f;
+        int32_t* o = qp + j * (D / 2);
+        for (int64_t d = 0; d < D; d += 8) {  /* channels d.. d + 7: words q_d, q_{d+2}, q_{d+1}, q_{d+3}, then d + 4.. */
+            __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qf + d), inv));
+            __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storeu_si128((__m128i*)(o + d / 2), _mm_shuffle_epi8(w, order));
+        }
+    }
+}
+
+extern "C++" {  /* templates (the blocks per number of query heads) within the C linkage */
+
+/* q16 of channel c from a folded query's dwords (fold_query_int16's layout) */
+static inline int32_t q16_at(const int32_t* qp, int64_t c) {
+    int32_t w = qp[(c / 4) * 2 + (c & 1)];
+    return (c & 2) ? (int32_t)(int16_t)((uint32_t)w >> 16) : (int32_t)(int16_t)(w & 0xFFFF);
+}
+
+/* The 4 channels' codes of a dword column (byte c.. c + 3 of 8 or 16 tokens, one token a
+   32-bit lane) dotted with JN query heads: the words (code_c, code_{c+2}) and
+   (code_{c+1}, code_{c+3}) of the low nibbles (tokens r..) and of the high ones (r + KR..)
+   times qp's two dwords, summed in int32 (pmaddwd: exact, so any order gives the same sums). */
+#define KEY_COLUMN_INT(MADD, ADD, AND, SRL, SET1, V, QP)                                                  \
+    do {                                                                                                  \
+        auto l0 = AND(V, m), l1 = AND(SRL(V, 8), m), h0 = AND(SRL(V, 4), m), h1 = SRL(V, 12);              \
+        for (int j = 0; j < JN; j++) {                                                                    \
+            auto qa = SET1((QP)[j * qps]), qb = SET1((QP)[j * qps + 1]);                                  \
+            al[j] = ADD(al[j], ADD(MADD(l0, qa), MADD(l1, qb)));                                          \
+            ah[j] = ADD(ah[j], ADD(MADD(h0, qa), MADD(h1, qb)));                                          \
+        }                                                                                                 \
+    } while (0)
+
+/* Integer scores of 8 byte rows [r, r + 8) of a key group (rows at kg, D bytes each) against
+   JN query heads (qp: fold_query_int16's dwords, head j at qp + j * qps): 32 channels at a
+   time, the 8 rows' dwords transposed in registers (8 x 8), so each lane is a token; channels
+   past the last multiple of 32 added in scalar. Scores dx[j] isum + qo[j] to lo[j * ss + r ..]
+   (low nibbles, tokens r..) and hi[j * ss + r ..] (high, r + KR ..). */
+template <int JN>
+static inline __attribute__((always_inline)) void key_block_i256(const uint8_t* kg, int64_t r, const int32_t* qp,
+        int64_t qps, const float* dx, const float* qo, int64_t D, float* lo, float* hi, int64_t ss) {
+    __m256i al[4], ah[4];
+    for (int j = 0; j < 4; j++) al[j] = ah[j] = _mm256_setzero_si256();
+    const __m256i m = _mm256_set1_epi16(0x000F);
+    int64_t D32 = D / 32 * 32;
+    for (int64_t c0 = 0; c0 < D32; c0 += 32) {
+        __m256i x[8], t[8];
+        if (c0 % 64 == 0)
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char*)(kg + (r + i) * D + c0) + KEYS_AHEAD, _MM_HINT_T0);
+        for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_si256((const __m256i*)(kg + (r + i) * D + c0));
+        for (int i = 0; i < 4; i++) {  /* rows 2i, 2i + 1 interleaved by dwords */
+            t[2 * i] = _mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+        }
+        for (int Q = 0; Q < 2; Q++) {  /* x[4Q + k], 128-bit lane L: dword column 4L + k of rows 4Q .. 4Q + 3 */
+            x[4 * Q] = _mm256_unpacklo_epi64(t[4 * Q], t[4 * Q + 2]);
+            x[4 * Q + 1] = _mm256_unpackhi_epi64(t[4 * Q], t[4 * Q + 2]);
+            x[4 * Q + 2] = _mm256_unpacklo_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+            x[4 * Q + 3] = _mm256_unpackhi_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+        }
+        for (int k = 0; k < 4; k++) {  /* columns k and 4 + k: lane i = row i */
+            __m256i v0 = _mm256_permute2x128_si256(x[k], x[4 + k], 0x20);
+            __m256i v1 = _mm256_permute2x128_si256(x[k], x[4 + k], 0x31);
+            KEY_COLUMN_INT(_mm256_madd_epi16, _mm256_add_epi32, _mm256_and_si256, _mm256_srli_epi16,
+                           _mm256_set1_epi32, v0, qp + (c0 / 4 + k) * 2);
+            KEY_COLUMN_INT(_mm256_madd_epi16, _mm256_add_epi32, _mm256_and_si256, _mm256_srli_epi16,
+                           _mm256_set1_epi32, v1, qp + (c0 / 4 + 4 + k) * 2);
+        }
+    }
+    if (D32 < D) {  /* the last D % 32 channels */
+        int32_t sl[4][8], sh[4][8];
+        for (int j = 0; j < JN; j++) {
+            _mm256_storeu_si256((__m256i*)sl[j], al[j]);
+            _mm256_storeu_si256((__m256i*)sh[j], ah[j]);
+        }
+        for (int i = 0; i < 8; i++)
+            for (int64_t c = D32; c < D; c++) {
+                int32_t b = kg[(r + i) * D + c];
+                for (int j = 0; j < JN; j++) {
+                    int32_t w = q16_at(qp + j * qps, c);
+                    sl[j][i] += w * (b & 15);
+                    sh[j][i] += w * (b >> 4);
                 }
-                for (int jj = 0; jj < jn; jj++) {
-                    if (in_a) sc[(j0 + jj) * span + (ta - pa)] = la[jj];
-                    if (in_b) sc[(j0 + jj) * span + (tb - pa)] = lb[jj];
+            }
+        for (int j = 0; j < JN; j++) {
+            al[j] = _mm256_loadu_si256((const __m256i*)sl[j]);
+            ah[j] = _mm256_loadu_si256((const __m256i*)sh[j]);
+        }
+    }
+    for (int j = 0; j < JN; j++) {
+        __m256 d = _mm256_set1_ps(dx[j]), o = _mm256_set1_ps(qo[j]);
+        _mm256_storeu_ps(lo + j * ss + r, _mm256_fmadd_ps(_mm256_cvtepi32_ps(al[j]), d, o));
+        _mm256_storeu_ps(hi + j * ss + r, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ah[j]), d, o));
+    }
+}
+
+template <int JN>
+static VNNI void key_block_i512(const uint8_t* kg, int64_t r, const int32_t* qp, int64_t qps, const float* dx,
+                                const float* qo, int64_t D, float* lo, float* hi, int64_t ss);
+
+/* Quantized keys: scores sc[j, s - pa] of the positions [pa, pb), as integer dot products. Per
+   key group the query is folded with the group's scales and rounded to int16 (fold_query_int16),
+   then whole blocks of 8 byte rows (or 16 with W: AVX-512 VNNI, D % 64 == 0) are dotted with
+   up to 4 query heads at once. It writes the scores of whole blocks, so also those of up to
+   KG - 1 positions either side of [pa, pb): sc has KG floats of margin there (Int4Item.sc), and
+   what lands past pb is overwritten or never read. The integer sums are exact, so W = 0 and
+   W = 1 give bit-identical scores. */
+template <int W>
+static inline __attribute__((always_inline)) void int4_keys_int(const Int4Item* it) {
+    int64_t D = it->D, g = it->g, KG = it->KG, KR = KG / 2, pa = it->pa, pb = it->pb, span = it->span;
+    int32_t* qp = (int32_t*)it->tmp;  /* [g, D / 2] */
+    float *dx = it->tmp + g * D / 2, *qo = it->tmp + g * D, *sc = it->sc;
+    float* qf = (float*)it->fold;
+    int wide = W && D % 64 == 0;
+    int64_t RB = wide ? 16 : 8, qps = D / 2;
+    for (int64_t blk = pa / KG; blk * KG < pb; blk++) {
+        fold_query_int16(it, blk, qp, dx, qo, qf);
+        /* rows r whose token blk KG + r or blk KG + r + KR lies in [pa, pb), from a block start */
+        int64_t base = blk * KG, x = pa - base, y = pb - base;
+        int64_t r0 = x - KR > 0 ? x - KR : 0, r1 = y < KR ? y : KR;
+        r0 = r0 / RB * RB;
+        const uint8_t* kg = it->kd + blk * KR * D;
+        for (int64_t j0 = 0; j0 < g; j0 += 4) {
+            int jn = g - j0 < 4 ? (int)(g - j0) : 4;
+            const int32_t* q = qp + j0 * qps;
+            float* lo = sc + j0 * span + (base - pa);
+            for (int64_t r = r0; r < r1; r += RB) {
+                if (wide) {
+                    switch (jn) {
+                        case 1: key_block_i512<1>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                        case 2: key_block_i512<2>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                        case 3: key_block_i512<3>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                        default: key_block_i512<4>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                    }
+                } else {
+                    switch (jn) {
+                        case 1: key_block_i256<1>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                        case 2: key_block_i256<2>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                        case 3: key_block_i256<3>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                        default: key_block_i256<4>(kg, r, q, qps, dx + j0, qo + j0, D, lo, lo + KR, span); break;
+                    }
                 }
             }
         }
     }
 }
+
+}  /* extern "C++" */
+
+static void int4_keys_avx2(const Int4Item* it) { int4_keys_int<0>(it); }
 
 /* Quantized values, AVX2: pr's outputs += sum over [pa, pb) of the (unnormalized) weights in
    sc times each value; per token and channel group the weights times the token's scale (wv),
@@ -856,102 +972,65 @@ static inline AVX512 __m256 hsum8_512(const __m512* v) {
                                                                           0), z));
 }
 
-/* key_pair, 16 channels a step: lanes 0-3 of the result the low nibbles' scores of query
-   heads 0 .. JN - 1 (without the shifts' term), lanes 4-7 the high nibbles'. */
-static inline AVX512 __attribute__((always_inline)) __m256 key_pair512(const int JN, const uint8_t* row,
-                                                                       const float* qs, int64_t D) {
-    __m512 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
-    const __m512i mask = _mm512_set1_epi32(0x0F);
-    for (int64_t d = 0; d < D; d += 16) {
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + d)));
-        __m512 cl = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), ch = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-        for (int j = 0; j < JN; j++) {
-            __m512 qv = _mm512_loadu_ps(qs + j * D + d);
-            a[j] = _mm512_fmadd_ps(cl, qv, a[j]);
-            a[4 + j] = _mm512_fmadd_ps(ch, qv, a[4 + j]);
-        }
-    }
-    return hsum8_512(a);
-}
-
-/* Rows [r0, r1) of one key group's codes (rows at kg, D bytes each) against JN query heads:
-   token r's scores (low nibbles) to lo[j * ss + r], token r + KR's (high) to hi[j * ss + r]. */
-static inline AVX512 __attribute__((always_inline)) void key_rows512(const int JN, const uint8_t* kg, int64_t r0,
-        int64_t r1, const float* qs, const float* qo, int64_t D, float* lo, float* hi, int64_t ss) {
-    float o4[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < JN; j++) o4[j] = qo[j];
-    __m256 off = _mm256_setr_ps(o4[0], o4[1], o4[2], o4[3], o4[0], o4[1], o4[2], o4[3]);
-    for (int64_t r = r0; r < r1; r++) {
-        float l[8];
-        _mm256_storeu_ps(l, _mm256_add_ps(key_pair512(JN, kg + r * D, qs, D), off));
-        for (int j = 0; j < JN; j++) { lo[j * ss + r] = l[j]; hi[j * ss + r] = l[4 + j]; }
-    }
-}
-
-/* 128-bit lane L of v (16 rows' codes of channel c + 16 L) against JN query heads: 16 tokens'
-   low nibbles into al[L & 1][j], high into ah[L & 1][j], each times that channel of the folded
-   query (two accumulator sets: shorter FMA chains). */
-#define KEY_LANE(L)                                                                                        \
-    do {                                                                                                   \
-        __m512i e = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, L));                                 \
-        __m512 cl = _mm512_cvtepi32_ps(_mm512_and_si512(e, m4)), ch = _mm512_cvtepi32_ps(_mm512_srli_epi32(e, 4)); \
-        const float* qc = qs + c + 16 * (L);                                                               \
-        for (int j = 0; j < JN; j++) {                                                                     \
-            __m512 qv = _mm512_set1_ps(qc[j * D]);                                                         \
-            al[(L) & 1][j] = _mm512_fmadd_ps(cl, qv, al[(L) & 1][j]);                                      \
-            ah[(L) & 1][j] = _mm512_fmadd_ps(ch, qv, ah[(L) & 1][j]);                                      \
-        }                                                                                                  \
+extern "C++" {
+/* key_block_i256 for 16 byte rows [r, r + 16) with AVX-512 VNNI (D % 64 == 0): 64 channels
+   at a time, the 16 rows' dwords transposed in registers (16 x 16: dwords, quads, then 128-bit
+   lanes twice), each lane a token, and vpdpwssd for pmaddwd + add: the same integer sums. */
+template <int JN>
+static VNNI void key_block_i512(const uint8_t* kg, int64_t r, const int32_t* qp, int64_t qps, const float* dx,
+                                const float* qo, int64_t D, float* lo, float* hi, int64_t ss) {
+    __m512i al[4], ah[4], bl[4], bh[4];  /* two accumulators each (shorter vpdpwssd chains) */
+    for (int j = 0; j < 4; j++) al[j] = ah[j] = bl[j] = bh[j] = _mm512_setzero_si512();
+    const __m512i m = _mm512_set1_epi16(0x000F);
+#define KEY_COLUMN_512(V, QP)                                                                         \
+    do {                                                                                              \
+        __m512i l0 = _mm512_and_si512(V, m), l1 = _mm512_and_si512(_mm512_srli_epi16(V, 8), m);      \
+        __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(V, 4), m), h1 = _mm512_srli_epi16(V, 12);    \
+        for (int j = 0; j < JN; j++) {                                                                \
+            __m512i qa = _mm512_set1_epi32((QP)[j * qps]), qb = _mm512_set1_epi32((QP)[j * qps + 1]); \
+            al[j] = _mm512_dpwssd_epi32(al[j], l0, qa);                                               \
+            bl[j] = _mm512_dpwssd_epi32(bl[j], l1, qb);                                               \
+            ah[j] = _mm512_dpwssd_epi32(ah[j], h0, qa);                                               \
+            bh[j] = _mm512_dpwssd_epi32(bh[j], h1, qb);                                               \
+        }                                                                                             \
     } while (0)
-
-/* key_rows512 for 16 byte rows [r, r + 16) of a key group at once (D % 64 == 0), the tokens in
-   the lanes: each 64 channels of the 16 rows transposed in registers (four rounds of unpacks,
-   after which 128-bit lane L of output 8 h + 4 h2 + 2 h3 + h4 holds the 16 rows' bytes of
-   channel 16 L + 8 h + 4 h2 + 2 h3 + h4), then per channel its codes (low nibbles: tokens
-   r.., high: r + KR..) times the folded query's channel: no horizontal sums. Scores to
-   lo[j * ss + r ..] and hi[j * ss + r ..] as key_rows512 writes them (the summation order
-   over channels differs). */
-static inline AVX512 __attribute__((always_inline)) void key_block512(const int JN, const uint8_t* kg, int64_t r,
-        const float* qs, const float* qo, int64_t D, float* lo, float* hi, int64_t ss) {
-    __m512 al[2][4], ah[2][4];
-    for (int a = 0; a < 2; a++)
-        for (int j = 0; j < 4; j++) al[a][j] = ah[a][j] = _mm512_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi32(0x0F);
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
-        __m512i x[16], y[16];
+        __m512i x[16], t[16];
+        for (int i = 0; i < 16; i++) _mm_prefetch((const char*)(kg + (r + i) * D + c0) + KEYS_AHEAD, _MM_HINT_T0);
         for (int i = 0; i < 16; i++) x[i] = _mm512_loadu_si512((const void*)(kg + (r + i) * D + c0));
-        for (int i = 0; i < 8; i++) {  /* rows 2i, 2i + 1: channels 0-7 (y[2i]) and 8-15 (y[2i + 1]) of each lane */
-            y[2 * i] = _mm512_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
-            y[2 * i + 1] = _mm512_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+        for (int i = 0; i < 8; i++) {
+            t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
         }
-        for (int k = 0; k < 4; k++)  /* rows 4k..4k+3: x[4k + 2h + h2], channels 8h + 4h2 + 0..3 */
-            for (int h = 0; h < 2; h++) {
-                x[4 * k + 2 * h] = _mm512_unpacklo_epi16(y[4 * k + h], y[4 * k + 2 + h]);
-                x[4 * k + 2 * h + 1] = _mm512_unpackhi_epi16(y[4 * k + h], y[4 * k + 2 + h]);
-            }
-        for (int m = 0; m < 2; m++)  /* rows 8m..8m+7: y[8m + 2(2h + h2) + h3], channels 8h + 4h2 + 2h3 + 0..1 */
-            for (int hh = 0; hh < 4; hh++) {
-                __m512i a = x[8 * m + hh], b = x[8 * m + 4 + hh];
-                y[8 * m + 2 * hh] = _mm512_unpacklo_epi32(a, b);
-                y[8 * m + 2 * hh + 1] = _mm512_unpackhi_epi32(a, b);
-            }
-        for (int t = 0; t < 8; t++)  /* rows 0..15 of channel 2t + h4 (t = 4h + 2h2 + h3) */
-            for (int h4 = 0; h4 < 2; h4++) {
-                __m512i v = h4 ? _mm512_unpackhi_epi64(y[t], y[8 + t]) : _mm512_unpacklo_epi64(y[t], y[8 + t]);
-                int64_t c = c0 + 2 * t + h4;  /* lane L: channel c + 16 L */
-                KEY_LANE(0);
-                KEY_LANE(1);
-                KEY_LANE(2);
-                KEY_LANE(3);
-            }
+        for (int Q = 0; Q < 4; Q++) {  /* x[4Q + k], lane L: dword column 4L + k of rows 4Q .. 4Q + 3 */
+            x[4 * Q] = _mm512_unpacklo_epi64(t[4 * Q], t[4 * Q + 2]);
+            x[4 * Q + 1] = _mm512_unpackhi_epi64(t[4 * Q], t[4 * Q + 2]);
+            x[4 * Q + 2] = _mm512_unpacklo_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+            x[4 * Q + 3] = _mm512_unpackhi_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+        }
+        for (int k = 0; k < 4; k++) {  /* lanes L of x[k], x[4 + k], x[8 + k], x[12 + k]: column 4L + k */
+            __m512i s0 = _mm512_shuffle_i32x4(x[k], x[4 + k], 0x44), s1 = _mm512_shuffle_i32x4(x[k], x[4 + k], 0xEE);
+            __m512i s2 = _mm512_shuffle_i32x4(x[8 + k], x[12 + k], 0x44);
+            __m512i s3 = _mm512_shuffle_i32x4(x[8 + k], x[12 + k], 0xEE);
+            __m512i v0 = _mm512_shuffle_i32x4(s0, s2, 0x88), v1 = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+            __m512i v2 = _mm512_shuffle_i32x4(s1, s3, 0x88), v3 = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+            const int32_t* q = qp + (c0 / 4 + k) * 2;
+            KEY_COLUMN_512(v0, q);
+            KEY_COLUMN_512(v1, q + 8);
+            KEY_COLUMN_512(v2, q + 16);
+            KEY_COLUMN_512(v3, q + 24);
+        }
     }
+#undef KEY_COLUMN_512
     for (int j = 0; j < JN; j++) {
-        __m512 off = _mm512_set1_ps(qo[j]);
-        _mm512_storeu_ps(lo + j * ss + r, _mm512_add_ps(_mm512_add_ps(al[0][j], al[1][j]), off));
-        _mm512_storeu_ps(hi + j * ss + r, _mm512_add_ps(_mm512_add_ps(ah[0][j], ah[1][j]), off));
+        __m512 d = _mm512_set1_ps(dx[j]), o = _mm512_set1_ps(qo[j]);
+        al[j] = _mm512_add_epi32(al[j], bl[j]);
+        ah[j] = _mm512_add_epi32(ah[j], bh[j]);
+        _mm512_storeu_ps(lo + j * ss + r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[j]), d, o));
+        _mm512_storeu_ps(hi + j * ss + r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ah[j]), d, o));
     }
 }
-#undef KEY_LANE
+}  /* extern "C++" */
 
 /* exp8, 16 lanes */
 static inline AVX512 __m512 exp16(__m512 x) {
@@ -1061,49 +1140,7 @@ static AVX512 void int4_exact_512(const Int4Item* it, int values, const float* r
     }
 }
 
-/* int4_keys_avx2 with 512-bit vectors (D % 16 == 0). It writes the scores of whole byte rows,
-   so also those of up to KG - 1 positions either side of [pa, pb): sc has KG floats of margin
-   there (Int4Item.sc), and what lands past pb is overwritten or never read. */
-static AVX512 void int4_keys_512(const Int4Item* it) {
-    int64_t D = it->D, g = it->g, KG = it->KG, KR = KG / 2, pa = it->pa, pb = it->pb, span = it->span;
-    float *qs = it->tmp, *qo = qs + g * D, *sc = it->sc;
-    for (int64_t blk = pa / KG; blk * KG < pb; blk++) {
-        for (int64_t j = 0; j < g; j++) {
-            const float* qr = it->qh + j * it->T * D;
-            __m512 a = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-                __m512 qv = _mm512_mul_ps(_mm512_loadu_ps(qr + d), _mm512_set1_ps(it->scale));
-                _mm512_storeu_ps(qs + j * D + d, _mm512_mul_ps(qv, scale16(it->ks, it->skind, it->kso + blk * D + d)));
-                a = _mm512_fmadd_ps(qv, scale16(it->ko, it->skind, it->kso + blk * D + d), a);
-            }
-            qo[j] = _mm512_reduce_add_ps(a);
-        }
-        /* rows r whose token blk KG + r or blk KG + r + KR lies in [pa, pb) */
-        int64_t base = blk * KG, x = pa - base, y = pb - base;
-        int64_t r0 = x - KR > 0 ? x - KR : 0, r1 = y < KR ? y : KR;
-        const uint8_t* kg = it->kd + blk * KR * D;
-        /* whole blocks of 16 rows with the tokens in the lanes (D % 64 == 0), the rest row by row */
-        int64_t rb = D % 64 == 0 ? r0 + (r1 - r0) / 16 * 16 : r0;
-        for (int64_t j0 = 0; j0 < g; j0 += 4) {
-            int jn = g - j0 < 4 ? (int)(g - j0) : 4;
-            const float* qj = qs + j0 * D;
-            float* lo = sc + j0 * span + (base - pa);
-            for (int64_t r = r0; r < rb; r += 16)
-                switch (jn) {
-                    case 1: key_block512(1, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
-                    case 2: key_block512(2, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
-                    case 3: key_block512(3, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
-                    default: key_block512(4, kg, r, qj, qo + j0, D, lo, lo + KR, span); break;
-                }
-            switch (jn) {
-                case 1: key_rows512(1, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-                case 2: key_rows512(2, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-                case 3: key_rows512(3, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-                default: key_rows512(4, kg, rb, r1, qj, qo + j0, D, lo, lo + KR, span); break;
-            }
-        }
-    }
-}
+static VNNI void int4_keys_512(const Int4Item* it) { int4_keys_int<1>(it); }
 
 /* value_cols with 512-bit vectors: 16 P bytes of each token's row (P = 1: bytes r .. r + 16,
    channels r.. and r + VR..; P = 2: also the next 16 bytes), each weight broadcast once. */
@@ -1115,6 +1152,7 @@ static inline AVX512 __attribute__((always_inline)) void value_cols512(const int
     const __m512i mask = _mm512_set1_epi32(0x0F);
     for (int64_t s = 0; s < n; s++) {
         __m512 c[4];
+        _mm_prefetch((const char*)(row + s * step) + VALUES_AHEAD, _MM_HINT_T0);
         for (int i = 0; i < P; i++) {
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + s * step + 16 * i)));
             c[2 * i] = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask));
@@ -1233,13 +1271,14 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
     if (C > maxn / 64 + 1) C = maxn / 64 + 1;  /* a chunk of at least ~64 positions */
     if (C < 1) C = 1;
     float* part = (float*)malloc(sizeof(float) * (size_t)(rows * C * g * (D + 2)));
-    int64_t span = maxn / C + 2, ss = span + 2 * KG;  /* scores: a margin of KG either side (int4_keys_512) */
+    int64_t span = maxn / C + 2, ss = span + 2 * KG;  /* scores: a margin of KG either side (int4_keys_int) */
     int failed = part ? 0 : 1;
     if (failed) return -1;
     #pragma omp parallel
     {
         /* per thread: scores [g, ss], then the items' scratch (Int4Item.tmp) */
-        float* sc = (float*)malloc(sizeof(float) * (size_t)(g * ss + g * D + g + g * ss + 2 * NV * ss + g));
+        int64_t scratch = g * ss + g * D + g + g * ss + 2 * NV * ss + g;
+        float* sc = (float*)malloc(sizeof(float) * (size_t)(scratch + D));
         if (!sc) {
             #pragma omp atomic write
             failed = 1;
@@ -1275,6 +1314,7 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
             /* quantized positions [pa, pb) of this chunk */
             item.pa = q0 + a0; item.pb = q0 + (a1 < nq ? a1 : nq);
             item.sc = sc + KG; item.span = ss; item.pr = pr; item.tmp = sc + g * ss;
+            item.fold = sc + scratch;
             int64_t nqc = item.pb > item.pa ? item.pb - item.pa : 0;  /* quantized scores first, then exact ones */
             if (nqc > 0) {
                 if (wide) int4_keys_512(&item);

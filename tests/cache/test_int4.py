@@ -229,7 +229,10 @@ SCHEDULES = {"one pass": [(100, 100)], "token by token": [(1, 1)], "chunks of 7"
 def test_visible_version_depends_only_on_positions(key_axis, attention_chunk):
     """However the positions are split into forwards (one pass, single tokens, chunks,
     verify forwards with rejected garbage rolled back), every query's output is the rule's
-    (1e-5; only the summation order differs), and the stores end bit-identical."""
+    (2e-4: the summation order differs, and a decode step on a CPU scores the quantized keys
+    with the query rounded to int16, test_int4_native.py, which moves these outputs by up to
+    9.2e-5; reading a position's other version moves one by more than 1e-2), and the stores
+    end bit-identical."""
     torch.manual_seed(6)
     N, windows = 100, (None, 8)
     K, V, Q = torch.randn(2, N, 64), torch.randn(2, N, 64), torch.randn(4, N, 64)
@@ -245,7 +248,7 @@ def test_visible_version_depends_only_on_positions(key_axis, attention_chunk):
         got = run_schedule(c, K, V, Q, pattern)
         for layer in range(len(windows)):
             out = torch.stack([got[layer, p] for p in range(N)], 1)
-            torch.testing.assert_close(out, want[layer], rtol=0, atol=1e-5, msg=f"{name}, layer {layer}")
+            torch.testing.assert_close(out, want[layer], rtol=0, atol=2e-4, msg=f"{name}, layer {layer}")
     ref = caches["one pass"]
     assert ref.quantized_tokens(0) == 96 and ref.exact_span(0) == (64, N)  # V(99) = 96, V(94) = 64
     for name, c in caches.items():  # (a last forward past N drops exact copies earlier: P0 is 64 or 96)
