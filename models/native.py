@@ -25,9 +25,15 @@ instruction), chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and VNNI (
 Xeons since Cascade Lake), else the AVX2 one: the same integer sums and the same float
 operations lane by lane, so the two give bit-identical results (`torch.ops.decodelab.isa(0)`
 asks for the AVX2 form, `isa(1)` for VNNI where the CPU has it; tests compare them).
-The int4 cache's decode attention (`int4_decode_attention`) reads its codes 512 bits wide at
-the same level (head size a multiple of 16, value groups of 32 channels or more; else AVX2):
-the same arithmetic in another order, each form within float rounding of the reference.
+The int4 cache's decode attention (`int4_decode_attention`) scores the quantized keys in
+integers: per key group and query head the query, folded with the group's scales, is rounded
+to int16 against its largest channel (max|q'| / 32767 a step; `int16_key_scores` in
+cache/kernels/int4.py is its torch model, and bounds what it moves), and the codes are summed
+against it in int32 (`pmaddwd`; `vpdpwssd` with VNNI, 16 rows at a time where the head size is
+a multiple of 64): exact sums, so both forms give the same scores. The values are summed in
+fp32 (512 bits wide at the VNNI level with value groups of 32 channels or more): the same
+arithmetic in another order, within float rounding of each other. Both loops fetch the codes
+4 KB (keys) and 8 KB (values) ahead of the rows they read.
 A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound
 stores per step plan and runs `int4_store_attend` (write the new K/V, then attend) on them.
 The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute

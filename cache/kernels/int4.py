@@ -148,10 +148,12 @@ def native_serves(key_grouping: Grouping, value_grouping: Grouping, head_dim: in
 
 def int4_attention_native(q, rows: Int4Rows, qpos, vis, scale, window=None, softcap=None,
                           num_splits=None) -> torch.Tensor:
-    """decodelab's native CPU kernel of `int4_attention_reference` (same arguments, same
-    result up to float rounding; `native_serves` says which stores it takes): the packed
-    codes attended in place, keys' scales folded into the query per group, values' into the
-    softmax weights; work split by kv head and by chunk of the context, softmaxes merged."""
+    """decodelab's native CPU kernel of `int4_attention_reference` (same arguments; the same
+    result as the reference with `int16_query=True`, up to float rounding; `native_serves`
+    says which stores it takes): the packed codes attended in place, keys' scales folded into
+    the query per group (rounded to int16 there, the codes summed against it in integers),
+    values' into the softmax weights; work split by kv head and by chunk of the context,
+    softmaxes merged."""
     from decodelab.models import native
 
     if softcap is not None:
