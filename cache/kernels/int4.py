@@ -141,6 +141,8 @@ def native_serves(key_grouping: Grouping, value_grouping: Grouping, head_dim: in
     if (key_grouping.axis, value_grouping.axis) != ("channel", "token"):
         return ("the native int4 attention reads the KIVI axes (key_axis=channel, value_axis=token), not "
                 f"key_axis={key_grouping.axis}, value_axis={value_grouping.axis}")
+    if key_grouping.size % 32:
+        return f"the native int4 attention reads key groups of a multiple of 32 tokens, not {key_grouping.size}"
     if dtype != torch.float32 or softcap is not None or head_dim % 8 or value_grouping.size % 16:
         return "the native int4 attention serves float32 caches without a logit softcap, head size a multiple of 8"
     return None

@@ -1246,12 +1246,14 @@ static AVX512 void int4_values_512(const Int4Item* it) {
    value head stride): the spans the cache's View reads and the exact stores' layout. The query at position p = qpos[b, t] with V(p) = vis[b, t] sees,
    inside its window, positions [dequant_from, min(dequant_to, V(p))) quantized and
    [max(exact_from, V(p)), min(exact_to, p + 1)) exact: the rule of int4_attention_reference.
-   A quantized key's score is sum_d (q_d scale_d) code_d + sum_d q_d shift_d (the group's
-   scales folded into the query once per group), a quantized value adds
+   A quantized key's score is dx (sum_d q16_d code_d) + sum_d q_d shift_d, q16 the query times
+   the group's scales rounded to int16 per group and query head (fold_query_int16; the torch
+   model: cache/kernels/int4.py int16_key_scores), the sum in int32; a quantized value adds
    (w scale) code + w shift; nothing dequantized is written. Work and merging as
    dl_decode_attn: (b, kv head, t) x C chunks of the seen positions, each kv head's codes
-   read once for its g query heads. The quantized keys and values run 512 bits wide where the
-   CPU has AVX-512 (dl_isa) and D % 16 == 0, VG % 32 == 0; otherwise in AVX2. Returns 0, or
+   read once for its g query heads. Keys go 16 byte rows at a time with AVX-512 VNNI (dl_isa)
+   and D % 64 == 0, else 8 (the same scores); values 512 bits wide at that level with
+   VG % 32 == 0, else AVX2. Key groups: a multiple of 32 tokens (the operator checks). Returns 0, or
    -1 when out of memory. */
 int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int64_t T, int64_t D,
                         const uint8_t* const* kd, const void* const* ks, const void* const* ko,

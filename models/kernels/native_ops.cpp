@@ -242,8 +242,9 @@ at::Tensor int4_decode_attention(const at::Tensor& q, at::TensorList kd, at::Ten
     TORCH_CHECK((int64_t)kd.size() == B && (int64_t)ks.size() == B && (int64_t)ko.size() == B &&
                 (int64_t)vd.size() == B && (int64_t)vs.size() == B && (int64_t)vo.size() == B &&
                 (int64_t)ke.size() == B && (int64_t)ve.size() == B, w, "one store of each kind per row (", B, ")");
-    TORCH_CHECK(D % 8 == 0 && kg % 2 == 0 && kg > 0 && vg > 0 && vg % 16 == 0 && D % vg == 0, w,
-                "head size ", D, " with key group ", kg, " and value group ", vg, " (a multiple of 16 dividing D)");
+    TORCH_CHECK(D % 8 == 0 && kg % 32 == 0 && kg > 0 && vg > 0 && vg % 16 == 0 && D % vg == 0, w,
+                "head size ", D, " (a multiple of 8) with key group ", kg, " (a multiple of 32: the keys are read in "
+                "blocks of 16 byte rows) and value group ", vg, " (a multiple of 16 dividing D)");
     TORCH_CHECK((int64_t)spans.size() == 5 * B && qpos.dim() == 2 && qpos.size(0) == B && qpos.size(1) == T &&
                 vis.sizes() == qpos.sizes(), w, "5 spans per row, qpos and vis [B, T]");
     int64_t Hkv = B ? ke[0].size(0) : 1;

@@ -22,6 +22,8 @@ import torch
 
 from decodelab.cache.base import CacheLayout
 from decodelab.cache.int4 import QuantizedCache
+from decodelab.cache.kernels.int4 import _native_spans as int4_native_spans
+from decodelab.cache.kernels.int4 import _native_stores as int4_native_stores
 from decodelab.cache.kernels.int4 import int4_attention_native, int4_attention_reference, row_keys
 from decodelab.models import native
 from decodelab.models.errors import SetupError
@@ -171,6 +173,10 @@ def test_impl_native_is_refused_where_it_cannot_serve_and_auto_falls_back():
 def test_the_operator_checks_what_it_reads():
     cache, plan, q, layout = filled(4, 2, 64, 300)
     rows, (qpos, vis) = cache.kernel_rows(0, plan), cache.kernel_queries(plan)
+    for kg in (16, 48):  # the keys are read in blocks of 16 byte rows: a group of a multiple of 32 tokens
+        with pytest.raises(RuntimeError, match="a multiple of 32"):
+            native.int4_decode_attention(q, int4_native_stores(rows), int4_native_spans(rows), qpos, vis,
+                                         layout.softmax_scale, None, kg, rows.value_grouping.size)
     rows.dequant_to = [10**6, 10**6]  # past the quantized store
     with pytest.raises(RuntimeError, match="not held"):
         int4_attention_native(q, rows, qpos, vis, layout.softmax_scale)
