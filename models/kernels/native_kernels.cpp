@@ -16,8 +16,7 @@ extern "C" {
    latency (experiments/README.md, "Batch-1 decode at the memory roofline") */
 #define ROWS_AHEAD 16
 /* How far ahead of the codes they read the int4 attention's key and value loops fetch (bytes;
-   the hardware prefetcher alone left the 8k-token layer waiting on memory: one layer's
-   stores at a time, SmolLM2's shapes at 8000 tokens, 106 -> 80 us a call with these). */
+   experiments/README.md, "KV caches at long context", session 46, has what it bought). */
 #define KEYS_AHEAD 4096
 #define VALUES_AHEAD 8192
 

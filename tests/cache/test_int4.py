@@ -230,9 +230,9 @@ def test_visible_version_depends_only_on_positions(key_axis, attention_chunk):
     """However the positions are split into forwards (one pass, single tokens, chunks,
     verify forwards with rejected garbage rolled back), every query's output is the rule's
     (2e-4: the summation order differs, and a decode step on a CPU scores the quantized keys
-    with the query rounded to int16, test_int4_native.py, which moves these outputs by up to
-    9.2e-5; reading a position's other version moves one by more than 1e-2), and the stores
-    end bit-identical."""
+    with the query rounded to int16, test_int4_native.py, which moves these outputs by less;
+    reading a position's other version moves one by more than 1e-2), and the stores end
+    bit-identical."""
     torch.manual_seed(6)
     N, windows = 100, (None, 8)
     K, V, Q = torch.randn(2, N, 64), torch.randn(2, N, 64), torch.randn(4, N, 64)
