@@ -81,13 +81,16 @@ class CacheLayout:
     windows: tuple[int | None, ...]  # per layer: sliding window or None
     softmax_scale: float
     softcap: float | None = None
+    #: a decode-sized forward over a dense cache attends through the native kernel in eager
+    #: code too, as the compiled step does (the model's `shared_kernels`: the same bits both ways)
+    native_decode: bool = False
 
     @classmethod
     def of(cls, model) -> "CacheLayout":
         """The layout of a native `Transformer` (its dtype and device included)."""
         c = model.cfg
         return cls(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype, model.device, c.windows,
-                   c.softmax_scale, c.attn_softcap)
+                   c.softmax_scale, c.attn_softcap, native_decode=getattr(model, "shared_kernels", False))
 
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers: 2 x layers x kv_heads x head_dim x bytes."""

@@ -88,7 +88,9 @@ class StoredKV:
         self.k_scale = [ones() for _ in range(lay.n_layers)] if self.fp8 else None
         self.v_scale = [ones() for _ in range(lay.n_layers)] if self.fp8 else None
         self.scaled = [False] * lay.n_layers  # fp8: whether a forward set the layer's scales
-        self.native_read = self.kv_dtype != lay.dtype and native_attention_serves(lay)
+        # K/V stored in another dtype, or a model whose eager and compiled steps share kernels: decode-sized
+        # forwards read the buffers in place through the native kernel (the compiled step's)
+        self.native_read = (self.kv_dtype != lay.dtype or lay.native_decode) and native_attention_serves(lay)
         self.lossy = self.kv_dtype not in (lay.dtype, torch.float32)  # fp32 holds any model dtype exactly
 
     def reset(self) -> None:
@@ -242,7 +244,8 @@ class DenseCache(StoredKV, KVCache):
                                    sp.causal)
 
     def _attend_native(self, layer: int, q: torch.Tensor, plan: DensePlan) -> torch.Tensor:
-        """A decode-sized forward over K/V stored in another dtype: decodelab's native kernel
+        """A decode-sized forward over K/V stored in another dtype (or of a model that shares
+        its compiled step's kernels, `CacheLayout.native_decode`): decodelab's native kernel
         reads each query's slots in place (models/native.py `decode_attention`)."""
         from decodelab.models import native
 

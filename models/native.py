@@ -34,6 +34,10 @@ a multiple of 64): exact sums, so both forms give the same scores. The values ar
 fp32 (512 bits wide at the VNNI level with value groups of 32 channels or more): the same
 arithmetic in another order, within float rounding of each other. Both loops fetch the codes
 4 KB (keys) and 8 KB (values) ahead of the rows they read.
+`rms_norm` and `rope_cos_sin` compute a model's norms and RoPE angles in one order of
+arithmetic for eager code and compiled graphs alike (where an int4 product reads them, a
+compiled graph's own fused versions differ in the last bit and flip activation codes:
+models/transformer.py `share_kernels`).
 A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound
 stores per step plan and runs `int4_store_attend` (write the new K/V, then attend) on them.
 The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute
@@ -155,6 +159,8 @@ def _build() -> None:
         _library = out
         torch.library.register_fake("decodelab::f32_mv")(
             lambda x, w, bias=None: x.new_empty(x.shape[0], w.shape[1], dtype=torch.float32))
+        torch.library.register_fake("decodelab::rms_norm")(lambda x, w, eps, offset: x.new_empty(x.shape))
+        torch.library.register_fake("decodelab::rope_cos_sin")(_rope_cos_sin_fake)
         torch.library.register_fake("decodelab::int8_mm")(
             lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int4_mm")(
@@ -238,6 +244,26 @@ def int8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
     """x [M, K] (any float dtype; computed in fp32) @ (codes [N, K] int8 x scales [N] fp32)^T
     -> [M, N] fp32 (the operator decodelab::int8_mm)."""
     return _ops().int8_mm(x, codes, scales)
+
+
+def _rope_cos_sin_fake(inv: torch.Tensor, positions: torch.Tensor):
+    shape = (*positions.shape[:-1], 1, positions.shape[-1], 2 * inv.shape[0])
+    return inv.new_empty(shape), inv.new_empty(shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm of float32 x over its last dimension with weight [n]: w (x r) (offset 0, Llama's
+    order) or (x r)(offset + w) (Gemma's), r = 1 / sqrt(mean(x^2) + eps), one order of
+    arithmetic whoever calls it (the operator decodelab::rms_norm)."""
+    return _ops().rms_norm(x, weight, eps, offset)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., 1, T, D] of RoPE at positions [..., T] for inverse frequencies
+    inv_freq [D / 2] (float32), the angle float(position) x inv_freq in float32 as
+    models/transformer.py's `rope_cos_sin` (channels i and i + D / 2 alike), then cosf / sinf
+    (the operator decodelab::rope_cos_sin)."""
+    return _ops().rope_cos_sin(inv_freq, positions)
 
 
 def int4_mm(x: torch.Tensor, nib: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor,

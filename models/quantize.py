@@ -258,11 +258,16 @@ class WeightOptions:
             quantize(q, weights={"int8": qint8, "int4": qint4}[self.kind])
             freeze(q)
         q._head_t = None
+        kernels = sorted({m.kernel for m in q.modules() if isinstance(m, QuantProj)})
+        # the native int4 kernel quantizes its activations: what feeds it must be the same bits eager
+        # and compiled, or the compiled text drifts from the eager one (Transformer.share_kernels)
+        if "native-int4" in kernels and q.dtype == torch.float32 and q.device.type == "cpu":
+            q.share_kernels()
         # what the layers' many-row products compute in (the head: fp32); None: not an fp32 model, as before
         q.weight_quantization = {"weights": self.kind, "group_size": opts.group_size,
                                  "quantize_head": self.quantize_head, "slow": slow, "kernel": self.kernel,
                                  "prefill_dtype": opts.prefill_dtype if q.dtype == torch.float32 else None,
-                                 "kernels": sorted({m.kernel for m in q.modules() if isinstance(m, QuantProj)})}
+                                 "kernels": kernels, "shared_kernels": q.shared_kernels}
         return q.eval()
 
 

@@ -23,12 +23,18 @@ from decodelab.models.matmul import PackedWeight, impl_problems, native_mv_ready
 class RMSNorm(nn.Module):
     """x / rms(x) * (offset + w), computed in float32 (Gemma: offset 1, Llama: 0)."""
 
+    #: computed by decodelab's native operator (`decodelab::rms_norm`, one order of arithmetic
+    #: eager and in a compiled graph) instead of torch's ops: `Transformer.share_kernels`
+    native = False
+
     def __init__(self, dim: int, eps: float, offset: float):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim) - offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.decodelab.rms_norm(x, self.weight, self.eps, float(self.offset))  # (native.rms_norm)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Gemma scales in float32, then casts
@@ -236,6 +242,41 @@ class Transformer(nn.Module):
         self.matmul = "reference"  # resolved `models.matmul` impl of every projection
         self._head_packed = PackedWeight()
 
+    #: the norms, the RoPE angles and a dense cache's decode attention computed by the same
+    #: kernels in eager code and in a compiled step (`share_kernels`)
+    shared_kernels = False
+
+    def share_kernels(self) -> "Transformer":
+        """Compute what feeds the projections with kernels that give the same bits eager and
+        compiled: every RMSNorm through `decodelab::rms_norm`, the RoPE angles' cos and
+        sin through `decodelab::rope_cos_sin` (models/native.py), and a dense cache's decode-sized
+        attention through the native kernel its compiled step runs (`CacheLayout.native_decode`,
+        read by caches made after this). Elsewhere the compiled graph's fused norms and angles
+        differ from eager's in the last bit, which an int4 product, quantizing its
+        activations to int8, turns into different codes: int4 weights on the native kernel
+        set this (`WeightOptions.apply`), so that their compiled text is their eager text.
+        Needs the native kernels, float32 and a CPU (else refused)."""
+        from decodelab.models import native
+
+        why = native.problem() or (None if self.dtype == torch.float32 and self.device.type == "cpu" else
+                                   f"the model is {self.dtype} on {self.device}")
+        if why:
+            raise SetupError(f"cannot share the eager and compiled kernels of this model: {why} (they need "
+                             "decodelab's native kernels, a float32 model and a CPU)")
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.native = True
+        self.shared_kernels = True
+        return self
+
+    def _cos_sin(self, rope, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] of one RoPE at positions [B, T] (`rope_cos_sin`; with
+        `shared_kernels` through the native operator, eager and compiled alike)."""
+        inv = self.inv_freq(rope, x.device)
+        if self.shared_kernels:
+            return torch.ops.decodelab.rope_cos_sin(inv, positions)  # (models/native.py `rope_cos_sin`)
+        return rope_cos_sin(inv, positions, x.dtype)
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -273,7 +314,7 @@ class Transformer(nn.Module):
                                         else 2 * n_valid <= valid.numel())
         packed = Packed(valid) if pack else None
         x = self._embed(ids if packed is None else packed.pack(ids))  # [B, T, dim] or [N, dim]
-        ropes = {r: rope_cos_sin(self.inv_freq(r, x.device), positions, x.dtype) for r in set(self._rope_keys)}
+        ropes = {r: self._cos_sin(r, positions, x) for r in set(self._rope_keys)}
         hidden = {}
         for layer, block in enumerate(self.layers[:n_layers]):
             x = block(x, ropes[self._rope_keys[layer]], cache, plan, packed)
@@ -313,8 +354,7 @@ class Transformer(nn.Module):
         plans = self.plan_segments(cache, segments)
         packed = Packed(valids)
         x = self._embed(packed.pack([s.ids for s in segments]))  # [N, dim]
-        ropes = [{r: rope_cos_sin(self.inv_freq(r, x.device), s.positions, x.dtype) for r in set(self._rope_keys)}
-                 for s in segments]
+        ropes = [{r: self._cos_sin(r, s.positions, x) for r in set(self._rope_keys)} for s in segments]
         for layer, block in enumerate(self.layers[:n_layers]):
             key = self._rope_keys[layer]
             x = block(x, [r[key] for r in ropes], cache, plans, packed)
@@ -360,7 +400,7 @@ class Transformer(nn.Module):
         x = self._embed(ids)  # [N, dim]
         ropes = {}
         for r in set(self._rope_keys):
-            cos, sin = rope_cos_sin(self.inv_freq(r, x.device), positions[None], x.dtype)  # [1, 1, N, D]
+            cos, sin = self._cos_sin(r, positions[None], x)  # [1, 1, N, D]
             ropes[r] = (cos.view(-1, 1, cos.shape[-1]), sin.view(-1, 1, sin.shape[-1]))  # [N, 1, D]
         for layer, block in enumerate(self.layers):
             x = block.flat(x, ropes[self._rope_keys[layer]], attend)

@@ -1364,6 +1364,34 @@ int dl_int4_decode_attn(const float* q, int64_t B, int64_t Hq, int64_t Hkv, int6
     return failed ? -1 : 0;
 }
 
+/* RMSNorm of `rows` rows of n floats: y = w (x r) (offset 0: Llama's order) or (x r)(offset + w)
+   (Gemma's), r = 1 / sqrt(sum(x^2) / n + eps), the sum in 8 lanes (FMA) then those lanes in a fixed
+   order and the tail in order: one order whatever the thread count or the caller (eager or a
+   compiled graph), so the norms' outputs that an int4 product quantizes are the same bits in
+   both (models/transformer.py RMSNorm). Rows split over threads from 64 rows on. */
+void dl_rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps, float offset, float* y) {
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * n;
+        float* yr = y + r * n;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float l[8], ss = 0.f;
+        _mm256_storeu_ps(l, acc);
+        for (int j = 0; j < 8; j++) ss += l[j];
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        float inv = 1.f / sqrtf(ss / (float)n + eps);
+        if (offset != 0.f)
+            for (int64_t k = 0; k < n; k++) yr[k] = (xr[k] * inv) * (offset + w[k]);
+        else
+            for (int64_t k = 0; k < n; k++) yr[k] = w[k] * (xr[k] * inv);
+    }
+}
+
 /* out[n, K] (fp32) = rows o0 .. o0 + n of the int8 weight */
 void dl_int8_dequant(const int8_t* w, const float* scale, int64_t K, int64_t o0, int64_t n, float* out) {
     #pragma omp parallel for schedule(static)

@@ -7,7 +7,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cmath>
 #include <cstring>
+#include <tuple>
+#include <vector>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -19,6 +22,7 @@ int dl_f32_mv(const float*, int64_t, const float*, int64_t, const float*, float*
 int dl_isa(int);
 int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
+void dl_rms_norm(const float*, const float*, int64_t, int64_t, float, float, float*);
 int dl_decode_attn(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                    int64_t, int64_t, float, int64_t, float*, const int64_t*, int64_t, int64_t, int64_t, int,
                    const float*, const float*);
@@ -76,6 +80,54 @@ at::Tensor f32_mv(const at::Tensor& x, const at::Tensor& w, const c10::optional<
                        b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>());
     TORCH_CHECK(rc == 0, "decodelab native f32_mv: out of memory for the partial sums");
     return y;
+}
+
+// RMSNorm over x's last dimension (float32 CPU, any leading dimensions) with weight w [n]:
+// dl_rms_norm's one order of arithmetic, eager and in a compiled graph alike.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+    TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "decodelab rms_norm: x must be a float32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+    int64_t n = x.size(-1);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+                "decodelab rms_norm: the weight must be float32 [", n, "] (x's last dimension), got ", w.sizes(), " ",
+                w.scalar_type());
+    auto xc = x.contiguous(), wc = w.contiguous();
+    auto y = at::empty(x.sizes(), x.options());
+    if (y.numel() == 0) return y;
+    dl_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), y.numel() / n, n, (float)eps, (float)offset,
+                y.data_ptr<float>());
+    return y;
+}
+
+// RoPE's cos and sin [..., 1, T, D] at positions [..., T] (int64) for inverse frequencies
+// inv [D / 2] (float32): angle = float(position) x inv[i] in float32, as rope_cos_sin computes it,
+// channel i and i + D / 2 alike; cosf / sinf of it. One computation for eager and compiled steps
+// (models/transformer.py `share_kernels`).
+std::tuple<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv, const at::Tensor& positions) {
+    TORCH_CHECK(inv.dim() == 1 && inv.scalar_type() == at::kFloat && inv.device().is_cpu() &&
+                positions.dim() >= 1 && positions.device().is_cpu(), "decodelab rope_cos_sin: inverse "
+                "frequencies float32 [D / 2] and positions [..., T] on the CPU, got ", inv.sizes(), " ",
+                inv.scalar_type(), " and ", positions.sizes());
+    auto ic = inv.contiguous();
+    auto pc = positions.to(at::kLong).contiguous();
+    int64_t h = ic.size(0), n = pc.numel();
+    std::vector<int64_t> shape(positions.sizes().begin(), positions.sizes().end() - 1);
+    shape.push_back(1);
+    shape.push_back(positions.size(-1));
+    shape.push_back(2 * h);
+    auto c = at::empty(shape, ic.options()), s = at::empty(shape, ic.options());
+    const float* f = ic.data_ptr<float>();
+    const int64_t* p = pc.data_ptr<int64_t>();
+    float *co = c.data_ptr<float>(), *so = s.data_ptr<float>();
+    for (int64_t t = 0; t < n; t++) {
+        float pos = (float)p[t];
+        for (int64_t i = 0; i < h; i++) {
+            float a = pos * f[i], ca = std::cos(a), sa = std::sin(a);
+            co[t * 2 * h + i] = co[t * 2 * h + h + i] = ca;
+            so[t * 2 * h + i] = so[t * 2 * h + h + i] = sa;
+        }
+    }
+    return {c, s};
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
@@ -457,6 +509,8 @@ at::Tensor int4_host_attend(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("f32_mv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+    m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+    m.def("rope_cos_sin(Tensor inv_freq, Tensor positions) -> (Tensor, Tensor)");
     m.def("isa(int set=-1) -> int");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
@@ -492,6 +546,8 @@ TORCH_LIBRARY_IMPL(decodelab, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int8_mm", &int8_mm);
     m.impl("f32_mv", &f32_mv);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("rope_cos_sin", &rope_cos_sin);
     m.impl("int4_mm", &int4_mm);
     m.impl("int8_dequant", &int8_dequant);
     m.impl("decode_attention", &decode_attention);

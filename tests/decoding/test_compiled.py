@@ -407,6 +407,27 @@ def test_native_quantized_weights_compile_as_opaque_ops(tiny_llama, weights):
         assert got.tokens == want.tokens
 
 
+@pytest.mark.skipif(__import__("decodelab.models.native", fromlist=["problem"]).problem() is not None,
+                    reason="native kernels unavailable here")
+@pytest.mark.parametrize("family,head", [("llama", False), ("llama", True), ("gemma", True)])
+def test_int4_weights_compile_to_the_eager_bits(request, family, head):
+    """int4 weights on the native kernel quantize their activations, so a last-bit
+    difference before a product changes its codes: such a model shares its kernels
+    (`Transformer.share_kernels`: norms, RoPE angles, dense decode attention) and its
+    inductor-compiled step gives the eager step's logits to the bit, step after step (without
+    sharing, the tiny Llama's differ by ~1e-2 and the tiny Gemma's by ~0.6, a /tmp check)."""
+    from decodelab.models.quantize import WeightOptions
+
+    tiny = request.getfixturevalue(f"tiny_{family}")
+    model = WeightOptions("int4", quantize_head=head, kernel="native").apply(tiny.model)
+    assert model.shared_kernels and model.weight_quantization["shared_kernels"]
+    assert cache_for(model, 2, 40).layout.native_decode
+    want = plain(model, cache_for(model, 2, 40), 10)
+    got = static(model, cache_for(model, 2, 40), 10, mode="compile")
+    assert torch.equal(got, want), (got - want).abs().max().item()
+    assert not tiny.model.shared_kernels  # the model it was quantized from keeps torch's norms and SDPA
+
+
 def test_torchs_private_compile_internals_pass_their_probe():
     """The replay (a compiled CPU step called without dynamo, 15% of an int4 SmolLM2 step)
     rests on torch internals (`torch_private`): on a torch where their probe fails, every

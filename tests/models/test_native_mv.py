@@ -86,3 +86,76 @@ def test_empty_products_are_empty():
     assert torch.ops.decodelab.int4_mm(torch.randn(0, 64), p.codes, p.scales, p.shifts, 32).shape == (0, 16)
     p8 = QuantProj(torch.randn(64, 16), None, WeightOptions("int8", kernel="native"))
     assert torch.ops.decodelab.int8_mm(torch.randn(0, 64), p8.codes, p8.scales).shape == (0, 16)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 3, 64), (70, 37), (5, 7)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_against_float64(shape, offset, threads):
+    """decodelab::rms_norm (`Transformer.share_kernels`' norms): within a few fp32 roundings
+    of the float64 norm of the same inputs (relative 1e-6 of the largest output; the n-term
+    sum of squares rounds at most n x 2^-24 relative, halved by the square root), Llama's
+    order w (x r) and Gemma's (x r)(1 + w); rows split over threads from 64 rows on give the
+    same bits as one thread (each row's sum in one order)."""
+    from decodelab.models.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g) * 0.2 + (0.0 if offset else 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = native.rms_norm(x, w, 1e-5, offset)
+    finally:
+        torch.set_num_threads(before)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * (offset + w.double())
+    n = shape[-1]
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() <= (n * 2.0**-24 + 4 * 2.0**-24) * ref.abs().max().item()
+    assert torch.equal(y, native.rms_norm(x, w, 1e-5, offset))
+    norm = RMSNorm(n, 1e-5, offset)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    torch.testing.assert_close(y, norm(x), rtol=1e-5, atol=1e-5)  # torch's own norm, another order
+    norm.native = True
+    assert torch.equal(norm(x), y)
+
+
+def test_rms_norm_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="float32"):
+        native.rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"the weight must be float32 \[8\]"):
+        native.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5)
+
+
+@pytest.mark.parametrize("positions", [[[0, 1, 2]], [[5], [8191]], [[100, 101, 102, 103]]])
+def test_rope_cos_sin_against_torch(positions):
+    """decodelab::rope_cos_sin: the angles rope_cos_sin computes (float32 products), their
+    cosf / sinf within 2 ulp-ish (1e-6 absolute) of torch's cos and sin, in its shape
+    [B, 1, T, D]; positions of any integer type."""
+    from decodelab.models.transformer import rope_cos_sin
+
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    pos = torch.tensor(positions)
+    cos, sin = native.rope_cos_sin(inv, pos)
+    want_cos, want_sin = rope_cos_sin(inv, pos, torch.float32)
+    assert cos.shape == want_cos.shape == (len(positions), 1, len(positions[0]), 64)
+    torch.testing.assert_close(cos, want_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin, rtol=0, atol=1e-6)
+    assert torch.equal(native.rope_cos_sin(inv, pos.int())[0], cos)
+
+
+def test_a_model_shares_its_kernels_only_where_they_run():
+    """share_kernels is refused for a model the native kernels cannot serve (bf16 here), naming
+    what it needs; int8 weights (fp32 activations) and fp32 keep torch's norms."""
+    from decodelab.models.errors import SetupError
+    from decodelab.models.loading import random_model
+    from tests.conftest import TINY
+
+    lm = random_model(TINY["llama"])
+    with pytest.raises(SetupError, match="float32 model and a CPU"):
+        lm.model.to(torch.bfloat16).share_kernels()
+    lm = random_model(TINY["llama"])
+    assert not WeightOptions("int8", kernel="native").apply(lm.model).shared_kernels
+    assert WeightOptions("int4", kernel="native").apply(lm.model).shared_kernels
