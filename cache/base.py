@@ -90,7 +90,8 @@ class CacheLayout:
         """The layout of a native `Transformer` (its dtype and device included)."""
         c = model.cfg
         return cls(c.n_layers, c.n_kv_heads, c.head_dim, model.dtype, model.device, c.windows,
-                   c.softmax_scale, c.attn_softcap, native_decode=getattr(model, "shared_kernels", False))
+                   c.softmax_scale, c.attn_softcap,
+                   native_decode=getattr(getattr(model, "model", model), "shared_kernels", False))  # (a wrapper's own)
 
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers: 2 x layers x kv_heads x head_dim x bytes."""

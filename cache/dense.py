@@ -249,8 +249,11 @@ class DenseCache(StoredKV, KVCache):
         reads each query's slots in place (models/native.py `decode_attention`)."""
         from decodelab.models import native
 
-        rows = (lambda t: t[plan.rows_slice]) if plan.rows_slice is not None else (
-            lambda t: t.index_select(0, plan.dev_rows[:, 0]))
+        if plan.rows_slice is not None:
+            rows = lambda t: t[plan.rows_slice]  # noqa: E731 (a view)
+        else:  # rows picked out of the buffers, a copy: only the slots up to the latest query's
+            hi = int(plan.positions.max()) + 1
+            rows = lambda t: t[:, :, :hi].index_select(0, plan.dev_rows[:, 0])  # noqa: E731
         return native.decode_attention(q, rows(self.k[layer]), rows(self.v[layer]), plan.dev_positions,
                                        self.layout.softmax_scale, self.layout.windows[layer], *self._scales(layer))
 

@@ -255,7 +255,11 @@ class Transformer(nn.Module):
         differ from eager's in the last bit, which an int4 product, quantizing its
         activations to int8, turns into different codes: int4 weights on the native kernel
         set this (`WeightOptions.apply`), so that their compiled text is their eager text.
-        Needs the native kernels, float32 and a CPU (else refused)."""
+        Needs the native kernels, float32 and a CPU (else refused). Not shared (the bits may
+        still differ): a sliding cache's ring layers (SDPA eager, a masked product compiled),
+        attention the native kernel does not serve (a logit softcap, a head size not a multiple
+        of 8), and products of more than 32 rows (a batch x verify of that many tokens, a flat
+        bucket of 64), which eager code dequantizes and a compiled step sends to the kernel."""
         from decodelab.models import native
 
         why = native.problem() or (None if self.dtype == torch.float32 and self.device.type == "cpu" else

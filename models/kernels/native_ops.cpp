@@ -108,6 +108,8 @@ std::tuple<at::Tensor, at::Tensor> rope_cos_sin(const at::Tensor& inv, const at:
                 positions.dim() >= 1 && positions.device().is_cpu(), "decodelab rope_cos_sin: inverse "
                 "frequencies float32 [D / 2] and positions [..., T] on the CPU, got ", inv.sizes(), " ",
                 inv.scalar_type(), " and ", positions.sizes());
+    TORCH_CHECK(at::isIntegralType(positions.scalar_type(), /*includeBool=*/false), "decodelab rope_cos_sin: "
+                "positions must be integers, got ", positions.scalar_type());
     auto ic = inv.contiguous();
     auto pc = positions.to(at::kLong).contiguous();
     int64_t h = ic.size(0), n = pc.numel();
