@@ -160,6 +160,9 @@ def _build() -> None:
         torch.library.register_fake("decodelab::f32_mv")(
             lambda x, w, bias=None: x.new_empty(x.shape[0], w.shape[1], dtype=torch.float32))
         torch.library.register_fake("decodelab::rms_norm")(lambda x, w, eps, offset: x.new_empty(x.shape))
+        torch.library.register_fake("decodelab::int4_mm_normed")(
+            lambda x, nib, scales, shifts, group_size, norm_w, eps, offset:
+            x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::rope_cos_sin")(_rope_cos_sin_fake)
         torch.library.register_fake("decodelab::int8_mm")(
             lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))

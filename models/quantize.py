@@ -364,13 +364,25 @@ class QuantProj(nn.Module):
     #: columns of the output in place (bf16 ones: widened, then copied in)
     DEQUANT_BLOCK = 1 << 23
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_norm = True  # (models/transformer.py `normed`)
+
+    def forward(self, x: torch.Tensor, norm=None) -> torch.Tensor:
+        """y = x @ W (+ b); with `norm` (a shared-kernels model's RMSNorm, `Transformer.share_kernels`),
+        of norm(x): where the native int4 kernel takes the product, one operator computes both
+        (decodelab::int4_mm_normed: the norm's own arithmetic, then the product)."""
         x2 = x.reshape(-1, self.n_in)
-        if x2.shape[0] > self.max_kernel_rows and not (self.kernel.startswith("native")
-                                                      and torch.compiler.is_compiling()):
+        kernel = not (x2.shape[0] > self.max_kernel_rows and not (self.kernel.startswith("native")
+                                                                  and torch.compiler.is_compiling()))
+        if norm is not None and not (kernel and self.kernel == "native-int4" and norm.native):
+            x2 = norm(x2)
+            norm = None
+        if not kernel:
             y = self._dequantized_product(x2)  # (a compiled native step takes the kernel at any row count)
         elif self.kernel == "native-int8":
             y = torch.ops.decodelab.int8_mm(x2, self.codes, self.scales)
+        elif self.kernel == "native-int4" and norm is not None:
+            y = torch.ops.decodelab.int4_mm_normed(x2, self.codes, self.scales, self.shifts, self.group_size,
+                                                   norm.weight, norm.eps, float(norm.offset))
         elif self.kernel == "native-int4":
             y = torch.ops.decodelab.int4_mm(x2, self.codes, self.scales, self.shifts, self.group_size)
         elif self.weights == "int8":

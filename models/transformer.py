@@ -54,8 +54,20 @@ class Proj(nn.Module):
         self.matmul = "reference"  # resolved impl, set by Transformer.set_matmul
         self.packed = PackedWeight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias, self.matmul, self.packed)
+    takes_norm = True  # forward(x, norm) computes norm(x) first (`normed`)
+
+    def forward(self, x: torch.Tensor, norm=None) -> torch.Tensor:
+        """y = x @ W (+ b); with `norm`, of norm(x) (a quantized projection may fuse the two)."""
+        return project(x if norm is None else norm(x), self.weight, self.bias, self.matmul, self.packed)
+
+
+def normed(proj, x: torch.Tensor, norm) -> torch.Tensor:
+    """proj(norm(x)) (None: proj(x)), the norm handed to a projection that takes it (`takes_norm`:
+    `Proj`, `QuantProj`, which may compute both in one operator); others (quanto's modules) get
+    norm(x)."""
+    if norm is None:
+        return proj(x)
+    return proj(x, norm) if getattr(proj, "takes_norm", False) else proj(norm(x))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -141,11 +153,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope, cache, plan, packed: Packed | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache, plan, packed: Packed | None = None, norm=None) -> torch.Tensor:
         """x [B, T, dim] (or its valid tokens [N, dim] with `packed`) -> the same shape. With
         several segments (`plan` and `rope`: a list, one per segment), each segment attends
-        on its own, through its own plan."""
-        qkv = self.wqkv(x)
+        on its own, through its own plan. `norm`: x is the block's input and this RMSNorm of
+        it what the projection reads (`Block._around`)."""
+        qkv = normed(self.wqkv, x, norm)
         if packed is None:
             return self.wo(self._attend(qkv, rope, cache, plan))
         if not isinstance(plan, list):
@@ -153,12 +166,12 @@ class Attention(nn.Module):
         outs = [packed.pack_one(self._attend(packed.unpack(qkv, s), rope[s], cache, p), s) for s, p in enumerate(plan)]
         return self.wo(torch.cat(outs))
 
-    def flat(self, x: torch.Tensor, rope: tuple, attend) -> torch.Tensor:
+    def flat(self, x: torch.Tensor, rope: tuple, attend, norm=None) -> torch.Tensor:
         """x [N, dim] of a flat token batch (`Transformer.flat_hidden`) -> [N, dim]: the
         projections, q/k norms and RoPE (cos, sin [N, 1, D]) per token, the attention
         through `attend(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> [N, Hq, D]`."""
         N, D = x.shape[0], self.cfg.head_dim
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = normed(self.wqkv, x, norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(N, -1, D), k.view(N, -1, D), v.view(N, -1, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -187,8 +200,8 @@ class MLP(nn.Module):
         self.w_down = Proj(cfg.intermediate_size, cfg.dim)
         self.act = F.silu if cfg.activation == "silu" else _gelu_tanh
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.inter, dim=-1)
+    def forward(self, x: torch.Tensor, norm=None) -> torch.Tensor:
+        gate, up = normed(self.w_gate_up, x, norm).split(self.inter, dim=-1)
         return self.w_down(self.act(gate) * up)
 
 
@@ -206,19 +219,20 @@ class Block(nn.Module):
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
     def forward(self, x, rope, cache, plan, packed: Packed | None = None):
-        return self._around(x, lambda h: self.attn(h, rope, cache, plan, packed))
+        return self._around(x, lambda h, norm=None: self.attn(h, rope, cache, plan, packed, norm))
 
     def flat(self, x: torch.Tensor, rope: tuple, attend) -> torch.Tensor:
         """x [N, dim] of a flat token batch, attending through `attend` (`Attention.flat`)."""
-        return self._around(x, lambda h: self.attn.flat(h, rope, attend))
+        return self._around(x, lambda h, norm=None: self.attn.flat(h, rope, attend, norm))
 
     def _around(self, x, attention):
-        """The block around its attention: norms, residuals, the MLP."""
-        h = attention(self.attn_norm(x))
+        """The block around its attention: norms, residuals, the MLP. A shared-kernels model's
+        norms go to the projections that read them (one operator each: `QuantProj.forward`)."""
+        h = attention(x, norm=self.attn_norm) if self.attn_norm.native else attention(self.attn_norm(x))
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(x, norm=self.mlp_norm) if self.mlp_norm.native else self.mlp(self.mlp_norm(x))
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
         return x + h

@@ -158,6 +158,24 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& nib, const at::Tensor&
     return y;
 }
 
+// int4_mm of rms_norm(x): the norm (dl_rms_norm, the operator rms_norm's arithmetic) computed
+// into a scratch of x's size first, so that a compiled graph calls one operator where an RMSNorm
+// feeds an int4 product (models/transformer.py `share_kernels`).
+at::Tensor int4_mm_normed(const at::Tensor& x, const at::Tensor& nib, const at::Tensor& scales,
+                          const at::Tensor& shifts, int64_t g, const at::Tensor& norm_w, double eps, double offset) {
+    check_codes(nib, at::kByte, 32);
+    int64_t k = nib.size(1) * 2;
+    auto xc = rows_f32(x, k);
+    TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == k && norm_w.scalar_type() == at::kFloat &&
+                norm_w.device().is_cpu(), "decodelab int4_mm_normed: the norm's weight must be float32 [", k,
+                "], got ", norm_w.sizes(), " ", norm_w.scalar_type());
+    auto wc = norm_w.contiguous();
+    auto xn = at::empty_like(xc);
+    if (xc.numel()) dl_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), xc.size(0), k, (float)eps, (float)offset,
+                                xn.data_ptr<float>());
+    return int4_mm(xn, nib, scales, shifts, g);
+}
+
 static void check_out(const at::Tensor& out, int64_t o0, int64_t n, int64_t rows, int64_t k) {
     TORCH_CHECK(o0 >= 0 && n >= 0 && o0 + n <= rows, "decodelab native dequant: rows ", o0, "..", o0 + n,
                 " outside [0, ", rows, ")");
@@ -512,6 +530,7 @@ TORCH_LIBRARY(decodelab, m) {
     m.def("int8_mm(Tensor x, Tensor codes, Tensor scales) -> Tensor");
     m.def("f32_mv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+    m.def("int4_mm_normed(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size, Tensor norm_w, float eps, float offset) -> Tensor");
     m.def("rope_cos_sin(Tensor inv_freq, Tensor positions) -> (Tensor, Tensor)");
     m.def("isa(int set=-1) -> int");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
@@ -549,6 +568,7 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int8_mm", &int8_mm);
     m.impl("f32_mv", &f32_mv);
     m.impl("rms_norm", &rms_norm);
+    m.impl("int4_mm_normed", &int4_mm_normed);
     m.impl("rope_cos_sin", &rope_cos_sin);
     m.impl("int4_mm", &int4_mm);
     m.impl("int8_dequant", &int8_dequant);

@@ -180,3 +180,21 @@ def test_a_model_shares_its_kernels_only_where_they_run():
     # an early-exit self-draft's cache attends as its model does (the wrapper's own model's flag)
     assert CacheLayout.of(shared).native_decode and CacheLayout.of(EarlyExit(shared, 1)).native_decode
     assert not CacheLayout.of(lm.model).native_decode
+
+
+@pytest.mark.parametrize("rows", [1, 3, 33])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_int4_mm_normed_is_the_product_of_the_norm(rows, offset):
+    """decodelab::int4_mm_normed (a shared-kernels model's norm fused into the int4 product
+    that reads it) gives int4_mm of rms_norm's output to the bit, and passes opcheck."""
+    q = QuantProj(torch.randn(64, 96), None, WeightOptions("int4", 32, kernel="native"))
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 64, generator=g) * 2, torch.randn(64, generator=g) * 0.2 + 1 - offset
+    ops = torch.ops.decodelab
+    got = ops.int4_mm_normed(x, q.codes, q.scales, q.shifts, q.group_size, w, 1e-6, offset)
+    want = ops.int4_mm(native.rms_norm(x, w, 1e-6, offset), q.codes, q.scales, q.shifts, q.group_size)
+    assert torch.equal(got, want)
+    torch.library.opcheck(ops.int4_mm_normed.default, (x, q.codes, q.scales, q.shifts, q.group_size, w, 1e-6, offset),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match=r"norm's weight must be float32 \[64\]"):
+        ops.int4_mm_normed(x, q.codes, q.scales, q.shifts, q.group_size, w[:10], 1e-6, offset)
