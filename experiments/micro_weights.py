@@ -411,6 +411,8 @@ PRODUCTS = {
     "decodelab::onednn_linear": lambda s: (s[0][-1], s[1][1] if s[1][0] == s[0][-1] else s[1][0]),
     "decodelab::int8_mm": lambda s: (s[0][-1], s[1][0]),
     "decodelab::int4_mm": lambda s: (s[0][-1], s[1][0]),
+    # (a shared-kernels model's norm and the int4 product that reads it, one operator: counted as the product)
+    "decodelab::int4_mm_normed": lambda s: (s[0][-1], s[1][0]),
     "aten::_weight_int8pack_mm": lambda s: (s[0][-1], s[1][0]),
     "aten::_weight_int4pack_mm_for_cpu": lambda s: (s[0][-1], s[3][1]),
 }
