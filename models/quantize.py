@@ -371,13 +371,13 @@ class QuantProj(nn.Module):
         of norm(x): where the native int4 kernel takes the product, one operator computes both
         (decodelab::int4_mm_normed: the norm's own arithmetic, then the product)."""
         x2 = x.reshape(-1, self.n_in)
-        kernel = not (x2.shape[0] > self.max_kernel_rows and not (self.kernel.startswith("native")
-                                                                  and torch.compiler.is_compiling()))
-        if norm is not None and not (kernel and self.kernel == "native-int4" and norm.native):
-            x2 = norm(x2)
-            norm = None
-        if not kernel:
-            y = self._dequantized_product(x2)  # (a compiled native step takes the kernel at any row count)
+        # (a compiled native step takes the kernel at any row count)
+        dequantize = x2.shape[0] > self.max_kernel_rows and not (self.kernel.startswith("native")
+                                                                 and torch.compiler.is_compiling())
+        if norm is not None and (dequantize or self.kernel != "native-int4" or not norm.native):
+            x2, norm = norm(x2), None
+        if dequantize:
+            y = self._dequantized_product(x2)
         elif self.kernel == "native-int8":
             y = torch.ops.decodelab.int8_mm(x2, self.codes, self.scales)
         elif self.kernel == "native-int4" and norm is not None:

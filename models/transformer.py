@@ -226,13 +226,14 @@ class Block(nn.Module):
         return self._around(x, lambda h, norm=None: self.attn.flat(h, rope, attend, norm))
 
     def _around(self, x, attention):
-        """The block around its attention: norms, residuals, the MLP. A shared-kernels model's
-        norms go to the projections that read them (one operator each: `QuantProj.forward`)."""
-        h = attention(x, norm=self.attn_norm) if self.attn_norm.native else attention(self.attn_norm(x))
+        """The block around its attention: norms, residuals, the MLP. Each norm goes to the
+        projection that reads it (`normed`: a shared-kernels model's int4 product computes both
+        in one operator, `QuantProj.forward`)."""
+        h = attention(x, norm=self.attn_norm)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)
         x = x + h
-        h = self.mlp(x, norm=self.mlp_norm) if self.mlp_norm.native else self.mlp(self.mlp_norm(x))
+        h = self.mlp(x, norm=self.mlp_norm)
         if self.mlp_post_norm is not None:
             h = self.mlp_post_norm(h)
         return x + h

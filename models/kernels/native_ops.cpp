@@ -82,16 +82,21 @@ at::Tensor f32_mv(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     return y;
 }
 
+// An RMSNorm's weight for rows of n: float32 [n] on the CPU, contiguous.
+static at::Tensor norm_weight(const at::Tensor& w, int64_t n, const char* who) {
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat && w.device().is_cpu(), who,
+                "weight must be float32 [", n, "] (x's last dimension), got ", w.sizes(), " ",
+                w.scalar_type());
+    return w.contiguous();
+}
+
 // RMSNorm over x's last dimension (float32 CPU, any leading dimensions) with weight w [n]:
 // dl_rms_norm's one order of arithmetic, eager and in a compiled graph alike.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
     TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "decodelab rms_norm: x must be a float32 CPU tensor, got ", x.scalar_type(), " on ", x.device());
     int64_t n = x.size(-1);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-                "decodelab rms_norm: the weight must be float32 [", n, "] (x's last dimension), got ", w.sizes(), " ",
-                w.scalar_type());
-    auto xc = x.contiguous(), wc = w.contiguous();
+    auto xc = x.contiguous(), wc = norm_weight(w, n, "decodelab rms_norm: the ");
     auto y = at::empty(x.sizes(), x.options());
     if (y.numel() == 0) return y;
     dl_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), y.numel() / n, n, (float)eps, (float)offset,
@@ -165,11 +170,7 @@ at::Tensor int4_mm_normed(const at::Tensor& x, const at::Tensor& nib, const at::
                           const at::Tensor& shifts, int64_t g, const at::Tensor& norm_w, double eps, double offset) {
     check_codes(nib, at::kByte, 32);
     int64_t k = nib.size(1) * 2;
-    auto xc = rows_f32(x, k);
-    TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == k && norm_w.scalar_type() == at::kFloat &&
-                norm_w.device().is_cpu(), "decodelab int4_mm_normed: the norm's weight must be float32 [", k,
-                "], got ", norm_w.sizes(), " ", norm_w.scalar_type());
-    auto wc = norm_w.contiguous();
+    auto xc = rows_f32(x, k), wc = norm_weight(norm_w, k, "decodelab int4_mm_normed: the norm's ");
     auto xn = at::empty_like(xc);
     if (xc.numel()) dl_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), xc.size(0), k, (float)eps, (float)offset,
                                 xn.data_ptr<float>());

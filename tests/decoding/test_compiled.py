@@ -415,7 +415,7 @@ def test_int4_weights_compile_to_the_eager_bits(request, family, head):
     difference before a product changes its codes: such a model shares its kernels
     (`Transformer.share_kernels`: norms, RoPE angles, dense decode attention) and its
     inductor-compiled step gives the eager step's logits to the bit, step after step (without
-    sharing, the tiny Llama's differ by ~1e-2 and the tiny Gemma's by ~0.6, a /tmp check)."""
+    sharing they differ: experiments/results/roofline-s47/README.md)."""
     from decodelab.models.quantize import WeightOptions
 
     tiny = request.getfixturevalue(f"tiny_{family}")
