@@ -186,38 +186,54 @@ static __attribute__((noinline)) float shift_dot(float r, const float* sh, const
     return r;
 }
 
-/* One int4 output row against MC (1..4) activation rows, two 32-channel blocks per step. */
+/* The int4 kernels take their codes two 32-channel blocks (b, b + 1) at a time: one 32-byte
+   load holds both blocks' codes, its low nibbles their channels 0-15 and its high nibbles their
+   channels 16-31 (`pack_int4`'s layout), so the activation codes are paired the same way: xl =
+   block b's channels 0-15 then block b + 1's, xh = their channels 16-31. */
+static inline __attribute__((always_inline)) void q4_xpair(const int8_t* xq, int64_t b, __m256i* xl, __m256i* xh) {
+    __m256i u = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
+    __m256i v = _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32));
+    *xl = _mm256_permute2x128_si256(u, v, 0x20);
+    *xh = _mm256_permute2x128_si256(u, v, 0x31);
+}
+
+/* The float factor of a block pair's eight integer lanes: lanes 0-3 (block b) the scale of b's
+   group times b's activation scale, lanes 4-7 the same for block b + 1. */
+static inline __attribute__((always_inline)) __m256 q4_factor(const float* sc, int64_t b, int64_t bpg,
+                                                              const float* dx) {
+    int64_t j = b / bpg, j2 = (b + 1) / bpg;
+    __m256 s = j == j2 ? _mm256_set1_ps(sc[j]) : _mm256_set_m128(_mm_set1_ps(sc[j2]), _mm_set1_ps(sc[j]));
+    return _mm256_mul_ps(s, _mm256_set_m128(_mm_set1_ps(dx[b + 1]), _mm_set1_ps(dx[b])));
+}
+
+/* The integer sums of a block pair: lane i (0-3: block b, 4-7: block b + 1) sums the products
+   of 4 channels of the low nibbles and 4 of the high nibbles (maddubs pairs never exceed
+   2 x 15 x 127, nor their sum int16). */
+static inline __attribute__((always_inline)) __m256i q4_pair(const uint8_t* w, __m256i xl, __m256i xh) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i v = _mm256_loadu_si256((const __m256i*)w);
+    __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, mask), xl);
+    __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), xh);
+    return _mm256_madd_epi16(_mm256_add_epi16(lo, hi), _mm256_set1_epi16(1));
+}
+
+/* One int4 output row against MC (1..4) activation rows, a block pair per step: each row's
+   sum in q4_rows4's order (so a row's result does not depend on M). */
 static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const float* dx, const float* xs,
         int64_t m0, const int MC, int64_t K, const uint8_t* wr, const float* sc, const float* sh, int64_t G,
         int64_t bpg, float* y, int64_t N, int64_t o) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     int64_t B = K / 32;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m256 acc2[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    const float* scp = sc;
-    int64_t left = bpg;
     for (int64_t b = 0; b < B; b += 2) {
-        float s = *scp;
-        if (--left == 0) { scp++; left = bpg; }
-        float s2 = *scp;
-        if (--left == 0) { scp++; left = bpg; }
-        __m128i v = _mm_loadu_si128((const __m128i*)(wr + b * 16));
-        __m128i v2 = _mm_loadu_si128((const __m128i*)(wr + b * 16 + 16));
-        __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-        __m256i c2 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v2, 4), mask), _mm_and_si128(v2, mask));
         for (int i = 0; i < MC; i++) {
-            const int8_t* xr = xq + (m0 + i) * K + b * 32;
-            const float* dr = dx + (m0 + i) * B + b;
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i*)xr)), ones);
-            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(c2, _mm256_loadu_si256((const __m256i*)(xr + 32))),
-                                           ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * dr[0]), acc[i]);
-            acc2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(s2 * dr[1]), acc2[i]);
+            __m256i xl, xh;
+            q4_xpair(xq + (m0 + i) * K, b, &xl, &xh);
+            __m256i p = q4_pair(wr + b * 16, xl, xh);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(sc, b, bpg, dx + (m0 + i) * B), acc[i]);
         }
     }
     for (int i = 0; i < MC; i++) {
-        float r = hsum(_mm256_add_ps(acc[i], acc2[i]));
+        float r = hsum(acc[i]);
         const float* xr = xs + (m0 + i) * G;
         r = shift_dot(r, sh, xr, G);
         y[(m0 + i) * N + o] = r;
@@ -241,37 +257,25 @@ static inline __attribute__((always_inline)) void q4_fetch_ahead(const uint8_t* 
 }
 
 /* Four int4 output rows o .. o + 3 against one activation row (a decode step): q4_row's
-   arithmetic for each row, in the same order (so a row's result does not depend on M), with
-   the four rows' independent sums interleaved and the activation blocks loaded once. */
+   arithmetic for each row, in the same order, the four rows' sums interleaved and the
+   activation pair loaded once. */
 static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, const float* dx, const float* xs,
         int64_t K, const uint8_t* nib, const float* scale, const float* shift, int64_t G, int64_t bpg,
         float* y, int64_t o, int64_t N) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     int64_t B = K / 32, H = K / 2;
-    __m256 acc[4], acc2[4];
-    for (int r = 0; r < 4; r++) { acc[r] = _mm256_setzero_ps(); acc2[r] = _mm256_setzero_ps(); }
+    __m256 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b += 2) {
         q4_fetch_ahead(nib, scale, shift, H, G, o, N, b);
-        __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
-        __m256i xv2 = _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32));
-        float d = dx[b], d2 = dx[b + 1];
-        int64_t j = b / bpg, j2 = (b + 1) / bpg;
+        __m256i xl, xh;
+        q4_xpair(xq, b, &xl, &xh);
         for (int r = 0; r < 4; r++) {
-            const uint8_t* wr = nib + (o + r) * H + b * 16;
-            __m128i v = _mm_loadu_si128((const __m128i*)wr);
-            __m128i v2 = _mm_loadu_si128((const __m128i*)(wr + 16));
-            __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-            __m256i c2 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v2, 4), mask), _mm_and_si128(v2, mask));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), ones);
-            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(c2, xv2), ones);
-            float s = scale[(o + r) * G + j], s2 = scale[(o + r) * G + j2];
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * d), acc[r]);
-            acc2[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p2), _mm256_set1_ps(s2 * d2), acc2[r]);
+            __m256i p = q4_pair(nib + (o + r) * H + b * 16, xl, xh);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(scale + (o + r) * G, b, bpg, dx), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) {
-        float v = hsum(_mm256_add_ps(acc[r], acc2[r]));
+        float v = hsum(acc[r]);
         const float* sh = shift + (o + r) * G;
         v = shift_dot(v, sh, xs, G);
         y[o + r] = v;
@@ -283,10 +287,14 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
    it. `set` >= 0 asks for that level (capped at what the CPU has; tests compare the two);
    returns the level in use. The two compute bit-identical results. */
 static int isa_have(void) {
+#ifdef DL_EMULATED_AVX512  /* tests: the AVX-512 forms run on SIMDe's emulation of them (below) */
+    return 1;
+#else
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+#endif
 }
 
 static int isa_use = -1;  /* set when the library loads (below), before any kernel runs */
@@ -300,40 +308,45 @@ int dl_isa(int set) {
     return isa_use;
 }
 
+/* DL_EMULATED_AVX512: tests/models/test_native_mv.py compiles the int4 products (up to the
+   line that ends them, below) with SIMDe's portable AVX-512 on a CPU without AVX-512, to
+   hold the VNNI form bit-identical to the AVX2 one there too. */
+#ifdef DL_EMULATED_AVX512
+#define VNNI
+#else
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#endif
 
-/* q4_rows4 with AVX-512 VNNI: two 32-channel blocks per 512-bit step, their 64 codes
-   unpacked at once (each 128-bit lane a half block: low nibbles, high nibbles) and dotted
-   with the activation codes by vpdpbusd. The integer sums per lane (4 channels each) are
-   q4_rows4's, and so is the float arithmetic lane by lane (block b in lanes 0-7, b + 1 in
-   8-15, as acc and acc2): the results are bit-identical to the AVX2 kernel's. */
+/* q4_rows4 with AVX-512 VNNI: two output rows per 512-bit register (row r in lanes 0-7, row
+   r + 1 in 8-15), each half q4_rows4's eight lanes: the same integer sums (vpdpbusd over the
+   low nibbles, then the high ones), the same factor and fused multiply-add lane by lane, so
+   the results are bit-identical to the AVX2 kernel's. */
 static VNNI void q4_rows4_vnni(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* nib,
                                const float* scale, const float* shift, int64_t G, int64_t bpg, float* y, int64_t o,
                                int64_t N) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
-    const __m512i nibble = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);  /* lanes 1, 3: the high nibbles */
     int64_t B = K / 32, H = K / 2;
-    const uint8_t* w[4] = {nib + o * H, nib + (o + 1) * H, nib + (o + 2) * H, nib + (o + 3) * H};
-    const float* sc[4] = {scale + o * G, scale + (o + 1) * G, scale + (o + 2) * G, scale + (o + 3) * G};
-    __m512 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
-    int same = bpg % 2 == 0;  /* both blocks of a step in one group: one scale */
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < B; b += 2) {
         q4_fetch_ahead(nib, scale, shift, H, G, o, N, b);
-        __m512i xv = _mm512_loadu_si512((const void*)(xq + b * 32));
-        __m512 d = _mm512_insertf32x8(_mm512_set1_ps(dx[b]), _mm256_set1_ps(dx[b + 1]), 1);
-        int64_t j = b / bpg, j2 = (b + 1) / bpg;
-        for (int r = 0; r < 4; r++) {
-            __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w[r] + b * 16)));
-            __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(v, v, 0x50), nibble), mask);
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
-            __m512 s = same ? _mm512_set1_ps(sc[r][j])
-                            : _mm512_insertf32x8(_mm512_set1_ps(sc[r][j]), _mm256_set1_ps(sc[r][j2]), 1);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s, d), acc[r]);
+        __m256i xl, xh;
+        q4_xpair(xq, b, &xl, &xh);
+        __m512i xl2 = _mm512_inserti64x4(_mm512_castsi256_si512(xl), xl, 1);
+        __m512i xh2 = _mm512_inserti64x4(_mm512_castsi256_si512(xh), xh, 1);
+        for (int r = 0; r < 4; r += 2) {
+            const uint8_t* w = nib + (o + r) * H + b * 16;
+            __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)w)),
+                                           _mm256_loadu_si256((const __m256i*)(w + H)), 1);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, mask), xl2);
+            p = _mm512_dpbusd_epi32(p, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), xh2);
+            __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(q4_factor(scale + (o + r) * G, b, bpg, dx)),
+                                          q4_factor(scale + (o + r + 1) * G, b, bpg, dx), 1);
+            acc[r / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[r / 2]);
         }
     }
     for (int r = 0; r < 4; r++) {
-        float v = hsum(_mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1)));
+        __m512 a = acc[r / 2];
+        float v = hsum(r % 2 ? _mm512_extractf32x8_ps(a, 1) : _mm512_castps512_ps256(a));
         const float* sh = shift + (o + r) * G;
         v = shift_dot(v, sh, xs, G);
         y[o + r] = v;
@@ -414,6 +427,8 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
     }
     return 0;
 }
+
+/* -- the end of the int4 products (what DL_EMULATED_AVX512 builds) -- */
 
 /* Merge the flash-decoding partials part[(r * C + c) * g + j] = (max, sum, unnormalized
    output [D]) of `rows` (b, kv head, t) x C chunks x g query heads into out [B, Hq, T, D]:

@@ -79,6 +79,76 @@ def test_int4_vnni_is_bit_identical_to_avx2(k, n, group):
     assert torch.equal(vnni, avx2) and torch.equal(vnni, many)
 
 
+SIMDE = "/usr/include/simde/x86/avx512.h"  # Debian's libsimde-dev (.ci/run installs it where apt can)
+# AVX-512 intrinsics SIMDe 0.7.4 does not emulate, written out lane by lane
+_EMULATION = r"""
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+static inline simde__m512 emu_cvtepi32_ps(simde__m512i a) {
+    int32_t i[16]; float f[16]; simde_mm512_storeu_si512((void*)i, a);
+    for (int k = 0; k < 16; k++) f[k] = (float)i[k];
+    return simde_mm512_loadu_ps(f);
+}
+static inline simde__m256 emu_extractf32x8_ps(simde__m512 a, int hi) {
+    float f[16]; simde_mm512_storeu_ps(f, a); return simde_mm256_loadu_ps(f + 8 * hi);
+}
+#undef _mm512_cvtepi32_ps
+#undef _mm512_extractf32x8_ps
+#define _mm512_cvtepi32_ps emu_cvtepi32_ps
+#define _mm512_extractf32x8_ps emu_extractf32x8_ps
+#include "products.cpp"
+#include <stdio.h>
+#include <string.h>
+#include <random>
+#include <vector>
+int main() {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1, 1);
+    int shapes[][3] = {{576, 960, 64}, {576, 576, 32}, {1536, 576, 128}, {512, 64, 128}, {64, 7, 32},
+                       {256, 8, 256}, {576, 1030, 64}, {192, 12, 96}};
+    for (auto& s : shapes) {
+        int K = s[0], N = s[1], g = s[2], G = K / g, M = 3;
+        std::vector<uint8_t> nib(N * K / 2);
+        std::vector<float> sc(N * G), sh(N * G), x(M * K), avx2(N), vnni(N), many(M * N);
+        for (auto& b : nib) b = rng() & 255;
+        for (auto& v : sc) v = u(rng) * 0.1f;
+        for (auto& v : sh) v = u(rng) * 0.1f;
+        for (auto& v : x) v = u(rng) * 3;
+        dl_isa(0);
+        dl_int4_mm(x.data(), 1, K, nib.data(), sc.data(), sh.data(), g, avx2.data(), N);
+        int isa = dl_isa(1);
+        dl_int4_mm(x.data(), 1, K, nib.data(), sc.data(), sh.data(), g, vnni.data(), N);
+        dl_int4_mm(x.data(), M, K, nib.data(), sc.data(), sh.data(), g, many.data(), N);
+        printf("%d %d %d isa=%d vnni_equal=%d many_equal=%d\n", K, N, g, isa, !memcmp(avx2.data(), vnni.data(), 4 * N),
+               !memcmp(avx2.data(), many.data(), 4 * N));
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isfile(SIMDE), reason=f"no SIMDe headers ({SIMDE}: Debian libsimde-dev)")
+def test_int4_vnni_form_is_bit_identical_under_avx512_emulation(tmp_path):
+    """The int4 products' VNNI form, compiled with SIMDe's portable AVX-512 intrinsics
+    (DL_EMULATED_AVX512), on any CPU: bit-identical to the AVX2 form and to the many-row
+    kernel's first row at the shapes of test_int4_vnni_is_bit_identical_to_avx2, so a CPU
+    without AVX-512 (this CI's, often) still checks the code that AVX-512 CPUs run."""
+    import subprocess
+
+    src = next(s for s in native.sources() if s.name == "native_kernels.cpp").read_text()
+    end = src.index("/* -- the end of the int4 products")
+    (tmp_path / "products.cpp").write_text(src[:end] + "}  /* extern \"C\" */\n")
+    (tmp_path / "main.cpp").write_text(_EMULATION)
+    exe = tmp_path / "emulated"
+    subprocess.run(["g++", "-O1", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DDL_EMULATED_AVX512", "main.cpp", "-o",
+                    str(exe)], cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=60).stdout.split("\n")
+    rows = [line for line in lines if line]
+    assert len(rows) == 8
+    for row in rows:
+        assert "isa=1 vnni_equal=1 many_equal=1" in row, row
+
+
 def test_empty_products_are_empty():
     """No rows, or no outputs: an empty result, not an out-of-memory error."""
     assert torch.ops.decodelab.f32_mv(torch.randn(1, 16), torch.randn(16, 0)).shape == (1, 0)
