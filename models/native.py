@@ -20,11 +20,16 @@ own int8 here. These kernels stream the codes once per product and compute:
   each thread streams a contiguous block of the [in, out] weight's rows into its own sums,
   then the sums are added in thread order (so they depend on the thread count).
 
-The one-row int4 kernel has an AVX-512 VNNI form (`vpdpbusd`: two 32-channel blocks per
-instruction), chosen at run time where the CPU has AVX-512 F/BW/DQ/VL and VNNI (Zen 4/5,
-Xeons since Cascade Lake), else the AVX2 one: the same integer sums and the same float
-operations lane by lane, so the two give bit-identical results (`torch.ops.decodelab.isa(0)`
-asks for the AVX2 form, `isa(1)` for VNNI where the CPU has it; tests compare them).
+The int4 kernel reads a row's codes two 32-channel blocks per 32-byte load (`pack_int4`'s
+layout puts channels 0-15 of a block in the low nibbles, 16-31 in the high ones; the
+activation codes are paired to match once per product): two `vpmaddubsw` summed in int16,
+one `vpmaddwd`, then one convert and one fused multiply-add per block pair, its factor the
+group scale times each block's activation scale. The one-row kernel has an AVX-512 VNNI form
+(`vpdpbusd`, two rows per 512-bit register), chosen at run time where the CPU has AVX-512
+F/BW/DQ/VL and VNNI (Zen 4/5, Xeons since Cascade Lake), else the AVX2 one: the same integer
+sums and the same float operations lane by lane, so the two give bit-identical results
+(`torch.ops.decodelab.isa(0)` asks for the AVX2 form, `isa(1)` for VNNI where the CPU has it;
+tests compare them, on CPUs without AVX-512 through SIMDe's emulation of it).
 The int4 cache's decode attention (`int4_decode_attention`) scores the quantized keys in
 integers: per key group and query head the query, folded with the group's scales, is rounded
 to int16 against its largest channel (max|q'| / 32767 a step; `int16_key_scores` in
