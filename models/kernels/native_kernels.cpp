@@ -197,13 +197,17 @@ static inline __attribute__((always_inline)) void q4_xpair(const int8_t* xq, int
     *xh = _mm256_permute2x128_si256(u, v, 0x31);
 }
 
+/* The activation scales of a block pair by lane: lanes 0-3 block b's, 4-7 block b + 1's. */
+static inline __attribute__((always_inline)) __m256 q4_dpair(const float* dx, int64_t b) {
+    return _mm256_set_m128(_mm_set1_ps(dx[b + 1]), _mm_set1_ps(dx[b]));
+}
+
 /* The float factor of a block pair's eight integer lanes: lanes 0-3 (block b) the scale of b's
-   group times b's activation scale, lanes 4-7 the same for block b + 1. */
-static inline __attribute__((always_inline)) __m256 q4_factor(const float* sc, int64_t b, int64_t bpg,
-                                                              const float* dx) {
+   group times b's activation scale, lanes 4-7 the same for block b + 1 (d: `q4_dpair`). */
+static inline __attribute__((always_inline)) __m256 q4_factor(const float* sc, int64_t b, int64_t bpg, __m256 d) {
     int64_t j = b / bpg, j2 = (b + 1) / bpg;
     __m256 s = j == j2 ? _mm256_set1_ps(sc[j]) : _mm256_set_m128(_mm_set1_ps(sc[j2]), _mm_set1_ps(sc[j]));
-    return _mm256_mul_ps(s, _mm256_set_m128(_mm_set1_ps(dx[b + 1]), _mm_set1_ps(dx[b])));
+    return _mm256_mul_ps(s, d);
 }
 
 /* The integer sums of a block pair: lane i (0-3: block b, 4-7: block b + 1) sums the products
@@ -229,7 +233,8 @@ static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const
             __m256i xl, xh;
             q4_xpair(xq + (m0 + i) * K, b, &xl, &xh);
             __m256i p = q4_pair(wr + b * 16, xl, xh);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(sc, b, bpg, dx + (m0 + i) * B), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(sc, b, bpg, q4_dpair(dx + (m0 + i) * B, b)),
+                                     acc[i]);
         }
     }
     for (int i = 0; i < MC; i++) {
@@ -269,9 +274,10 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
         q4_fetch_ahead(nib, scale, shift, H, G, o, N, b);
         __m256i xl, xh;
         q4_xpair(xq, b, &xl, &xh);
+        __m256 d = q4_dpair(dx, b);
         for (int r = 0; r < 4; r++) {
             __m256i p = q4_pair(nib + (o + r) * H + b * 16, xl, xh);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(scale + (o + r) * G, b, bpg, dx), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(scale + (o + r) * G, b, bpg, d), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) {
@@ -333,14 +339,15 @@ static VNNI void q4_rows4_vnni(const int8_t* xq, const float* dx, const float* x
         q4_xpair(xq, b, &xl, &xh);
         __m512i xl2 = _mm512_inserti64x4(_mm512_castsi256_si512(xl), xl, 1);
         __m512i xh2 = _mm512_inserti64x4(_mm512_castsi256_si512(xh), xh, 1);
+        __m256 d = q4_dpair(dx, b);
         for (int r = 0; r < 4; r += 2) {
             const uint8_t* w = nib + (o + r) * H + b * 16;
             __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)w)),
                                            _mm256_loadu_si256((const __m256i*)(w + H)), 1);
             __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, mask), xl2);
             p = _mm512_dpbusd_epi32(p, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), xh2);
-            __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(q4_factor(scale + (o + r) * G, b, bpg, dx)),
-                                          q4_factor(scale + (o + r + 1) * G, b, bpg, dx), 1);
+            __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(q4_factor(scale + (o + r) * G, b, bpg, d)),
+                                          q4_factor(scale + (o + r + 1) * G, b, bpg, d), 1);
             acc[r / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[r / 2]);
         }
     }

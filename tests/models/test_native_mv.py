@@ -5,6 +5,9 @@ the many-row kernel's row) wherever the CPU has both."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -57,8 +60,12 @@ def test_project_takes_f32_mv_for_one_row_and_refuses_what_it_cannot_take():
         torch.ops.decodelab.f32_mv(torch.randn(2, 96), w)
 
 
-@pytest.mark.parametrize("k,n,group", [(576, 960, 64), (576, 576, 32), (1536, 576, 128), (512, 64, 128),
-                                       (64, 7, 32), (256, 8, 256), (576, 1030, 64)])
+# (in, out, group) of the int4 one-row kernels' bit-identity checks
+INT4_SHAPES = [(576, 960, 64), (576, 576, 32), (1536, 576, 128), (512, 64, 128), (64, 7, 32), (256, 8, 256),
+               (576, 1030, 64)]
+
+
+@pytest.mark.parametrize("k,n,group", INT4_SHAPES)
 def test_int4_vnni_is_bit_identical_to_avx2(k, n, group):
     """The one-row int4 kernel with AVX-512 VNNI against the AVX2 one, and both against the
     many-row kernel's first row: equal to the bit (the same integer sums, the same float
@@ -98,16 +105,15 @@ static inline simde__m256 emu_extractf32x8_ps(simde__m512 a, int hi) {
 #define _mm512_extractf32x8_ps emu_extractf32x8_ps
 #include "products.cpp"
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <random>
 #include <vector>
-int main() {
+int main(int argc, char** argv) {  /* argv: in, out, group of each shape in turn */
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> u(-1, 1);
-    int shapes[][3] = {{576, 960, 64}, {576, 576, 32}, {1536, 576, 128}, {512, 64, 128}, {64, 7, 32},
-                       {256, 8, 256}, {576, 1030, 64}, {192, 12, 96}};
-    for (auto& s : shapes) {
-        int K = s[0], N = s[1], g = s[2], G = K / g, M = 3;
+    for (int a = 1; a + 2 < argc; a += 3) {
+        int K = atoi(argv[a]), N = atoi(argv[a + 1]), g = atoi(argv[a + 2]), G = K / g, M = 3;
         std::vector<uint8_t> nib(N * K / 2);
         std::vector<float> sc(N * G), sh(N * G), x(M * K), avx2(N), vnni(N), many(M * N);
         for (auto& b : nib) b = rng() & 255;
@@ -127,14 +133,13 @@ int main() {
 """
 
 
-@pytest.mark.skipif(not __import__("os").path.isfile(SIMDE), reason=f"no SIMDe headers ({SIMDE}: Debian libsimde-dev)")
+@pytest.mark.skipif(not os.path.isfile(SIMDE), reason=f"no SIMDe headers ({SIMDE}: Debian libsimde-dev)")
 def test_int4_vnni_form_is_bit_identical_under_avx512_emulation(tmp_path):
     """The int4 products' VNNI form, compiled with SIMDe's portable AVX-512 intrinsics
     (DL_EMULATED_AVX512), on any CPU: bit-identical to the AVX2 form and to the many-row
-    kernel's first row at the shapes of test_int4_vnni_is_bit_identical_to_avx2, so a CPU
-    without AVX-512 (this CI's, often) still checks the code that AVX-512 CPUs run."""
-    import subprocess
-
+    kernel's first row at the shapes of test_int4_vnni_is_bit_identical_to_avx2 (and a group
+    of 96, straddling block pairs), so a CPU without AVX-512 (this CI's, often) still checks
+    the code that AVX-512 CPUs run."""
     src = next(s for s in native.sources() if s.name == "native_kernels.cpp").read_text()
     end = src.index("/* -- the end of the int4 products")
     (tmp_path / "products.cpp").write_text(src[:end] + "}  /* extern \"C\" */\n")
@@ -142,9 +147,10 @@ def test_int4_vnni_form_is_bit_identical_under_avx512_emulation(tmp_path):
     exe = tmp_path / "emulated"
     subprocess.run(["g++", "-O1", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DDL_EMULATED_AVX512", "main.cpp", "-o",
                     str(exe)], cwd=tmp_path, check=True, capture_output=True, timeout=300)
-    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=60).stdout.split("\n")
-    rows = [line for line in lines if line]
-    assert len(rows) == 8
+    shapes = INT4_SHAPES + [(192, 12, 96)]
+    args = [str(v) for shape in shapes for v in shape]
+    rows = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert len(rows) == len(shapes)
     for row in rows:
         assert "isa=1 vnni_equal=1 many_equal=1" in row, row
 
