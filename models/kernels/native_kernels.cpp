@@ -179,11 +179,20 @@ int dl_f32_mv(const float* x, int64_t K, const float* w, int64_t N, const float*
     return failed ? -1 : 0;
 }
 
-/* r + the shifts' share of an int4 row, sum_j sh[j] * xs[j], in one order and one compiled
-   form (never inlined: every kernel, whatever its instruction set, adds it the same way). */
-static __attribute__((noinline)) float shift_dot(float r, const float* sh, const float* xs, int64_t G) {
-    for (int64_t j = 0; j < G; j++) r += sh[j] * xs[j];
-    return r;
+/* An int4 row's accumulator plus the shifts' share of it, lane by lane before the row's one
+   horizontal sum: lane i gains sh[j + i] * xs[j + i] (fused) for each 8 groups j from 0, lanes
+   past G gain 0 x 0. Every int4 kernel adds it this way, in 8-lane fused multiply-adds whatever
+   its instruction set, so its rows stay bit-identical across kernels; the groups' products run
+   8 at a time instead of a scalar chain per row. */
+static inline __attribute__((always_inline)) __m256 q4_shifts(__m256 acc, const float* sh, const float* xs,
+                                                                int64_t G) {
+    int64_t j = 0;
+    for (; j + 8 <= G; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(sh + j), _mm256_loadu_ps(xs + j), acc);
+    if (j < G) {
+        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(G - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(sh + j, m), _mm256_maskload_ps(xs + j, m), acc);
+    }
+    return acc;
 }
 
 /* The int4 kernels take their codes two 32-channel blocks (b, b + 1) at a time: one 32-byte
@@ -203,9 +212,11 @@ static inline __attribute__((always_inline)) __m256 q4_dpair(const float* dx, in
 }
 
 /* The float factor of a block pair's eight integer lanes: lanes 0-3 (block b) the scale of b's
-   group times b's activation scale, lanes 4-7 the same for block b + 1 (d: `q4_dpair`). */
-static inline __attribute__((always_inline)) __m256 q4_factor(const float* sc, int64_t b, int64_t bpg, __m256 d) {
-    int64_t j = b / bpg, j2 = (b + 1) / bpg;
+   group times b's activation scale, lanes 4-7 the same for block b + 1 (d: `q4_dpair`; gi[b]:
+   block b's group, a table built once per product, so the loops divide nothing). */
+static inline __attribute__((always_inline)) __m256 q4_factor(const float* sc, int64_t b, const int32_t* gi,
+                                                                __m256 d) {
+    int32_t j = gi[b], j2 = gi[b + 1];
     __m256 s = j == j2 ? _mm256_set1_ps(sc[j]) : _mm256_set_m128(_mm_set1_ps(sc[j2]), _mm_set1_ps(sc[j]));
     return _mm256_mul_ps(s, d);
 }
@@ -225,7 +236,7 @@ static inline __attribute__((always_inline)) __m256i q4_pair(const uint8_t* w, _
    sum in q4_rows4's order (so a row's result does not depend on M). */
 static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const float* dx, const float* xs,
         int64_t m0, const int MC, int64_t K, const uint8_t* wr, const float* sc, const float* sh, int64_t G,
-        int64_t bpg, float* y, int64_t N, int64_t o) {
+        const int32_t* gi, float* y, int64_t N, int64_t o) {
     int64_t B = K / 32;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < B; b += 2) {
@@ -233,16 +244,11 @@ static inline __attribute__((always_inline)) void q4_row(const int8_t* xq, const
             __m256i xl, xh;
             q4_xpair(xq + (m0 + i) * K, b, &xl, &xh);
             __m256i p = q4_pair(wr + b * 16, xl, xh);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(sc, b, bpg, q4_dpair(dx + (m0 + i) * B, b)),
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(sc, b, gi, q4_dpair(dx + (m0 + i) * B, b)),
                                      acc[i]);
         }
     }
-    for (int i = 0; i < MC; i++) {
-        float r = hsum(acc[i]);
-        const float* xr = xs + (m0 + i) * G;
-        r = shift_dot(r, sh, xr, G);
-        y[(m0 + i) * N + o] = r;
-    }
+    for (int i = 0; i < MC; i++) y[(m0 + i) * N + o] = hsum(q4_shifts(acc[i], sh, xs + (m0 + i) * G, G));
 }
 
 /* Fetch the codes, scales and shifts of the four int4 rows ROWS_AHEAD after row o while rows
@@ -265,7 +271,7 @@ static inline __attribute__((always_inline)) void q4_fetch_ahead(const uint8_t* 
    arithmetic for each row, in the same order, the four rows' sums interleaved and the
    activation pair loaded once. */
 static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, const float* dx, const float* xs,
-        int64_t K, const uint8_t* nib, const float* scale, const float* shift, int64_t G, int64_t bpg,
+        int64_t K, const uint8_t* nib, const float* scale, const float* shift, int64_t G, const int32_t* gi,
         float* y, int64_t o, int64_t N) {
     int64_t B = K / 32, H = K / 2;
     __m256 acc[4];
@@ -277,15 +283,10 @@ static inline __attribute__((always_inline)) void q4_rows4(const int8_t* xq, con
         __m256 d = q4_dpair(dx, b);
         for (int r = 0; r < 4; r++) {
             __m256i p = q4_pair(nib + (o + r) * H + b * 16, xl, xh);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(scale + (o + r) * G, b, bpg, d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), q4_factor(scale + (o + r) * G, b, gi, d), acc[r]);
         }
     }
-    for (int r = 0; r < 4; r++) {
-        float v = hsum(acc[r]);
-        const float* sh = shift + (o + r) * G;
-        v = shift_dot(v, sh, xs, G);
-        y[o + r] = v;
-    }
+    for (int r = 0; r < 4; r++) y[o + r] = hsum(q4_shifts(acc[r], shift + (o + r) * G, xs, G));
 }
 
 /* The instruction set the kernels that have a choice use: 0 = AVX2 (every CPU these kernels
@@ -328,7 +329,7 @@ int dl_isa(int set) {
    low nibbles, then the high ones), the same factor and fused multiply-add lane by lane, so
    the results are bit-identical to the AVX2 kernel's. */
 static VNNI void q4_rows4_vnni(const int8_t* xq, const float* dx, const float* xs, int64_t K, const uint8_t* nib,
-                               const float* scale, const float* shift, int64_t G, int64_t bpg, float* y, int64_t o,
+                               const float* scale, const float* shift, int64_t G, const int32_t* gi, float* y, int64_t o,
                                int64_t N) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     int64_t B = K / 32, H = K / 2;
@@ -346,17 +347,14 @@ static VNNI void q4_rows4_vnni(const int8_t* xq, const float* dx, const float* x
                                            _mm256_loadu_si256((const __m256i*)(w + H)), 1);
             __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, mask), xl2);
             p = _mm512_dpbusd_epi32(p, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask), xh2);
-            __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(q4_factor(scale + (o + r) * G, b, bpg, d)),
-                                          q4_factor(scale + (o + r + 1) * G, b, bpg, d), 1);
+            __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(q4_factor(scale + (o + r) * G, b, gi, d)),
+                                          q4_factor(scale + (o + r + 1) * G, b, gi, d), 1);
             acc[r / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[r / 2]);
         }
     }
-    for (int r = 0; r < 4; r++) {
-        __m512 a = acc[r / 2];
-        float v = hsum(r % 2 ? _mm512_extractf32x8_ps(a, 1) : _mm512_castps512_ps256(a));
-        const float* sh = shift + (o + r) * G;
-        v = shift_dot(v, sh, xs, G);
-        y[o + r] = v;
+    for (int r = 0; r < 4; r++) {  /* each row's half, then q4_rows4's shifts and sum */
+        __m256 a = r % 2 ? _mm512_extractf32x8_ps(acc[r / 2], 1) : _mm512_castps512_ps256(acc[r / 2]);
+        y[o + r] = hsum(q4_shifts(a, shift + (o + r) * G, xs, G));
     }
 }
 
@@ -398,25 +396,29 @@ static inline void q8_row(const float* p, int64_t K, int64_t g, int8_t* xq, floa
 int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const float* scale, const float* shift,
                int64_t g, float* y, int64_t N) {
     int64_t G = K / g, B = K / 32, bpg = g / 32;
-    /* the activation codes, block scales and group sums: the calling thread's scratch */
-    size_t qb = (size_t)(M * K + 63) / 64 * 64, db = sizeof(float) * (size_t)(M * B);
-    char* buf = (char*)scratch(1, qb + db + sizeof(float) * (size_t)(M * G));
+    /* the activation codes, block scales, group sums and each block's group: the calling
+       thread's scratch */
+    size_t qb = (size_t)(M * K + 63) / 64 * 64, db = sizeof(float) * (size_t)(M * B),
+           sb = sizeof(float) * (size_t)(M * G);
+    char* buf = (char*)scratch(1, qb + db + sb + sizeof(int32_t) * (size_t)B);
     if (!buf) return -1;
     int8_t* xq = (int8_t*)buf;
     float* dx = (float*)(buf + qb);
     float* xs = (float*)(buf + qb + db);
+    int32_t* gi = (int32_t*)(buf + qb + db + sb);
+    for (int64_t b = 0; b < B; b++) gi[b] = (int32_t)(b / bpg);
     for (int64_t m = 0; m < M; m++) q8_row(x + m * K, K, g, xq + m * K, dx + m * B, xs + m * G);
     if (M == 1) {  /* a decode step: four output rows at a time, the rest one by one */
         int64_t N4 = N / 4 * 4;
         if (dl_isa(-1) >= 1) {
             #pragma omp parallel for schedule(static)
-            for (int64_t o = 0; o < N4; o += 4) q4_rows4_vnni(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o, N4);
+            for (int64_t o = 0; o < N4; o += 4) q4_rows4_vnni(xq, dx, xs, K, nib, scale, shift, G, gi, y, o, N4);
         } else {
             #pragma omp parallel for schedule(static)
-            for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, bpg, y, o, N4);
+            for (int64_t o = 0; o < N4; o += 4) q4_rows4(xq, dx, xs, K, nib, scale, shift, G, gi, y, o, N4);
         }
         for (int64_t o = N4; o < N; o++)
-            q4_row(xq, dx, xs, 0, 1, K, nib + o * (K / 2), scale + o * G, shift + o * G, G, bpg, y, N, o);
+            q4_row(xq, dx, xs, 0, 1, K, nib + o * (K / 2), scale + o * G, shift + o * G, G, gi, y, N, o);
         return 0;
     }
     #pragma omp parallel for schedule(static)
@@ -425,11 +427,11 @@ int dl_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* nib, const f
         const float* sc = scale + o * G;
         const float* sh = shift + o * G;
         int64_t m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) q4_row(xq, dx, xs, m0, 4, K, wr, sc, sh, G, bpg, y, N, o);
+        for (; m0 + 4 <= M; m0 += 4) q4_row(xq, dx, xs, m0, 4, K, wr, sc, sh, G, gi, y, N, o);
         switch (M - m0) {
-            case 1: q4_row(xq, dx, xs, m0, 1, K, wr, sc, sh, G, bpg, y, N, o); break;
-            case 2: q4_row(xq, dx, xs, m0, 2, K, wr, sc, sh, G, bpg, y, N, o); break;
-            case 3: q4_row(xq, dx, xs, m0, 3, K, wr, sc, sh, G, bpg, y, N, o); break;
+            case 1: q4_row(xq, dx, xs, m0, 1, K, wr, sc, sh, G, gi, y, N, o); break;
+            case 2: q4_row(xq, dx, xs, m0, 2, K, wr, sc, sh, G, gi, y, N, o); break;
+            case 3: q4_row(xq, dx, xs, m0, 3, K, wr, sc, sh, G, gi, y, N, o); break;
         }
     }
     return 0;
