@@ -55,6 +55,8 @@ def static_problems(cache, mode: str, tokens: int = 1) -> list[str]:
         p.append(f"mode must be one of {list(MODES)}, got {mode!r}")
     elif mode == "graph" and cache.layout.device.type != "cuda":
         p.append("mode=graph captures a CUDA graph: it needs the cache on a CUDA device (use mode=eager)")
+    elif mode == "compile" and cache.layout.device.type == "cpu":
+        p += wrapper_problems()
     return p
 
 
@@ -81,11 +83,11 @@ class StaticDecoder:
             allow_recompiles()
             inductor_cache_dir()
             self.private = torch_private() if self.plan.traced else None  # replay where the probe passed
-            options = None
+            options, patches = None, inductor_patches(cache.layout.device)
             if self.private is not None:  # on a CPU: a graph StaticDecoder can call without dynamo (_compiled_call)
-                backend = replayable(backend, self.private)
+                backend = replayable(backend, self.private, patches)
             elif backend == "inductor" and self.plan.traced:
-                options = INDUCTOR_PATCHES  # torch.compile's public options: the same inductor config
+                options = patches  # torch.compile's public options: the same inductor config
             core = getattr(model, "model", model)  # a wrapper (the early-exit draft) holds the Transformer
             if core.lm_head is None and self.plan.traced:
                 core.tied_head_t()  # the head copy the traced forward reads
@@ -168,15 +170,18 @@ _RAN: list[tuple] = []
 _NOTING = False  # whether they note it (during a guarded call only)
 
 
-def replayable(backend, private: "Private"):
+def replayable(backend, private: "Private", patches: dict | None = None):
     """`backend` (a torch.compile backend: a name or a callable) whose compiled graphs note
     in `_RAN`, when called, themselves and the inputs dynamo handed them, where that graph
     returns one output and takes only tensors: a step that can be replayed by calling it.
-    One wrapper per backend (dynamo reuses a compiled graph only for the backend object
-    that compiled it)."""
-    if backend not in _REPLAYABLE:
-        _REPLAYABLE[backend] = _noting_backend(private.inner_backend(backend))
-    return _REPLAYABLE[backend]
+    `patches`: inductor's options where the backend is inductor (`inductor_patches`; None:
+    `INDUCTOR_PATCHES`). One wrapper per backend and options (dynamo reuses a compiled graph
+    only for the backend object that compiled it)."""
+    patches = INDUCTOR_PATCHES if patches is None else patches
+    key = (backend, tuple(sorted(patches.items())))
+    if key not in _REPLAYABLE:
+        _REPLAYABLE[key] = _noting_backend(private.inner_backend(backend, patches))
+    return _REPLAYABLE[key]
 
 
 _REPLAYABLE: dict = {}
@@ -186,6 +191,39 @@ _REPLAYABLE: dict = {}
 #: the graph's inputs (hundreds of module tensors, checked at every call, about 10% of an int4
 #: SmolLM2 step: 118 -> 130 tok/s, Zen 3); a step's inputs are fixed when it is built
 INDUCTOR_PATCHES = {"size_asserts": False, "alignment_asserts": False}
+#: how a compiled CPU step's graph calls its operators and kernels, by the name
+#: $DECODELAB_CPU_WRAPPER gives (`cpu_wrapper`): "cpp", inductor's C++ wrapper (the step's
+#: calls made from C++, custom operators through the dispatcher, no Python between them; its
+#: entry built at -O1 apart from the kernels at -O3, so that a model's large entry builds
+#: quickly), or "python", inductor's Python wrapper. experiments/README.md ("Batch-1 decode
+#: at the memory roofline") has what each costs and buys.
+CPU_WRAPPERS = {"cpp": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}, "python": {}}
+DEFAULT_CPU_WRAPPER = "cpp"
+
+
+def cpu_wrapper() -> str:
+    """The wrapper compiled CPU steps get: $DECODELAB_CPU_WRAPPER where set (read at each
+    call), else `DEFAULT_CPU_WRAPPER`; one of `CPU_WRAPPERS` (`wrapper_problems`)."""
+    return os.environ.get("DECODELAB_CPU_WRAPPER") or DEFAULT_CPU_WRAPPER
+
+
+def wrapper_problems() -> list[str]:
+    """Why `cpu_wrapper` names no wrapper, if it does not."""
+    w = cpu_wrapper()
+    return [] if w in CPU_WRAPPERS else [
+        f"DECODELAB_CPU_WRAPPER={w!r} names no wrapper of compiled CPU steps: set it to one of "
+        f"{list(CPU_WRAPPERS)} (or unset it for {DEFAULT_CPU_WRAPPER!r})"]
+
+
+def inductor_patches(device: torch.device | str) -> dict:
+    """Inductor's options for a step compiled on `device`: `INDUCTOR_PATCHES`, and on a CPU
+    those of `cpu_wrapper` (SetupError where it names none)."""
+    if torch.device(device).type != "cpu":
+        return dict(INDUCTOR_PATCHES)
+    p = wrapper_problems()
+    if p:
+        raise SetupError(p)
+    return INDUCTOR_PATCHES | CPU_WRAPPERS[cpu_wrapper()]
 
 
 def _noting_backend(inner_backend):
@@ -208,16 +246,16 @@ def _noting_backend(inner_backend):
 class Private(NamedTuple):
     """What the replay takes from torch's internals (`torch_private`)."""
 
-    inner_backend: Callable  # a backend name or callable -> the compiler function dynamo calls
+    inner_backend: Callable  # (a backend name or callable, inductor's options) -> the compiler function dynamo calls
     caller_mode: Callable[[], tuple]  # () -> (stance, forced backend) the caller set
 
 
 @functools.cache
 def torch_private() -> Private | None:
     """THE one use of torch's private compile internals (tests/decoding/test_compiled.py
-    fails loudly when this probe fails): inductor's compiler function called with
-    `INDUCTOR_PATCHES` (a custom backend cannot pass torch.compile's `options`), a backend
-    looked up by name, and the stance the caller set (a replay must not bypass
+    fails loudly when this probe fails): inductor's compiler function called with the
+    step's options (`inductor_patches`; a custom backend cannot pass torch.compile's
+    `options`), a backend looked up by name, and the stance the caller set (a replay must not bypass
     `force_eager`). Probed once per process on the installed torch: a tiny function
     compiled through the noting backend must note one graph whose replay gives what the
     call gave. None where anything is missing or differs: steps then go through dynamo
@@ -227,9 +265,9 @@ def torch_private() -> Private | None:
         from torch._dynamo import eval_frame, lookup_backend
         from torch._inductor.compile_fx import compile_fx
 
-        def inner_backend(backend):
+        def inner_backend(backend, patches: dict):
             if backend == "inductor":
-                return lambda gm, inputs: compile_fx(gm, inputs, config_patches=INDUCTOR_PATCHES)
+                return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches)
             return lookup_backend(backend) if isinstance(backend, str) else backend
 
         def caller_mode() -> tuple:
@@ -240,7 +278,7 @@ def torch_private() -> Private | None:
 
         if "config_patches" not in inspect.signature(compile_fx).parameters:  # what inner_backend passes
             return None
-        probe = torch.compile(lambda x: x * 2 + 1, backend=_noting_backend(inner_backend("eager")), fullgraph=True)
+        probe = torch.compile(lambda x: x * 2 + 1, backend=_noting_backend(inner_backend("eager", {})), fullgraph=True)
         x = torch.arange(3.0)
         _NOTING = True
         try:

@@ -167,7 +167,7 @@ class ModelRunner:
             dev = cache.layout.device
             self.bufs = {n: (torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev))
                          for n in self.buckets}
-            options = compiled.INDUCTOR_PATCHES if backend == "inductor" else None
+            options = compiled.inductor_patches(dev) if backend == "inductor" else None
             self.fn = torch.compile(self._flat, backend=backend, options=options, dynamic=False, fullgraph=True)
 
     def _flat(self, ids: torch.Tensor, positions: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:

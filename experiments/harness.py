@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.base import CacheLayout
-from decodelab.decoding.compiled import static_problems
+from decodelab.decoding.compiled import cpu_wrapper, static_problems
 from decodelab.decoding.generate import compile_problems, sync
 from decodelab.decoding.text import compiled_capacity
 from decodelab.experiments.cli import group_options
@@ -63,7 +63,8 @@ def _git(*args: str) -> str:
 
 
 def run_conditions(model=None) -> dict:
-    """Hardware, threads, versions and git revision, recorded with every figure; with a
+    """Hardware, threads, versions and git revision, recorded with every figure (and
+    `cpu_wrapper`, how a compiled CPU step would call its kernels: `cpu_wrapper`); with a
     model, its dtype, device, matmul and the kernels that compute its quantized weights
     (`weight_kernel`: `native-int8`, `_weight_int8pack_mm`, ...; None for unquantized ones);
     given the LoadedModel, also where its weights came from (`model_source`, `model_path`,
@@ -77,7 +78,7 @@ def run_conditions(model=None) -> dict:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "cpu_wrapper": cpu_wrapper(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, **versions}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

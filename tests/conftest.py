@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,11 @@ from decodelab.decoding.text import make_cache
 from decodelab.models.loading import random_model
 
 torch.set_num_threads(2)
+# compiled CPU steps in tests: inductor's Python wrapper. The C++ wrapper users get by default
+# builds a C++ entry per graph, which for these tests' many small graphs nearly doubles their
+# compile time (tests/decoding/test_compiled.py: 68 s against 125 s, Zen 3);
+# tests/decoding/test_cpu_wrapper.py runs it, and DECODELAB_CPU_WRAPPER=cpp pytest ... everywhere
+os.environ.setdefault("DECODELAB_CPU_WRAPPER", "python")
 
 TINY = {
     "llama": dict(family="llama", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
