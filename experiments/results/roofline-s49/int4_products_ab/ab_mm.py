@@ -13,8 +13,13 @@ for name, (N, K) in shapes.items():
            rng.random((N, K // g), dtype=np.float32)) for _ in range(copies)]
     x = rng.standard_normal((1, K), dtype=np.float32); y = np.zeros((1, N), np.float32)
     outs = {}
+    ptrs = [(w[0].ctypes.data, w[1].ctypes.data, w[2].ctypes.data) for w in ws]
+    xp, yp = x.ctypes.data, y.ctypes.data
+
     def run(l):
-        for w in ws: l.dl_int4_mm(x.ctypes.data, 1, K, w[0].ctypes.data, w[1].ctypes.data, w[2].ctypes.data, g, y.ctypes.data, N)
+        f = l.dl_int4_mm
+        for a, b, c in ptrs:
+            f(xp, 1, K, a, b, c, g, yp, N)
     for v, l in libs.items():
         run(l); outs[v] = y.copy()
     t = {v: [] for v in libs}
