@@ -24,7 +24,9 @@ The int4 kernel reads a row's codes two 32-channel blocks per 32-byte load (`pac
 layout puts channels 0-15 of a block in the low nibbles, 16-31 in the high ones; the
 activation codes are paired to match once per product): two `vpmaddubsw` summed in int16,
 one `vpmaddwd`, then one convert and one fused multiply-add per block pair, its factor the
-group scale times each block's activation scale. The one-row kernel has an AVX-512 VNNI form
+group scale times each block's activation scale; a row's shifts times the sums of x per group
+join its accumulator's 8 lanes (fused, 8 groups at a time) before its one horizontal sum. The
+one-row kernel has an AVX-512 VNNI form
 (`vpdpbusd`, two rows per 512-bit register), chosen at run time where the CPU has AVX-512
 F/BW/DQ/VL and VNNI (Zen 4/5, Xeons since Cascade Lake), else the AVX2 one: the same integer
 sums and the same float operations lane by lane, so the two give bit-identical results
