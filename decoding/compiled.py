@@ -55,8 +55,6 @@ def static_problems(cache, mode: str, tokens: int = 1) -> list[str]:
         p.append(f"mode must be one of {list(MODES)}, got {mode!r}")
     elif mode == "graph" and cache.layout.device.type != "cuda":
         p.append("mode=graph captures a CUDA graph: it needs the cache on a CUDA device (use mode=eager)")
-    elif mode == "compile" and cache.layout.device.type == "cpu":
-        p += wrapper_problems()
     return p
 
 
@@ -73,6 +71,7 @@ class StaticDecoder:
     def __init__(self, model, cache, mode: str = "graph", impl: str = "auto", backend: str = "inductor",
                  tokens: int = 1):
         p = static_problems(cache, mode, tokens)
+        p += wrapper_problems(cache.layout.device) if mode == "compile" else []
         if p:
             raise SetupError(p)
         self.model, self.cache, self.mode, self.tokens = model, cache, mode, tokens
@@ -201,28 +200,45 @@ CPU_WRAPPERS = {"cpp": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 DEFAULT_CPU_WRAPPER = "cpp"
 
 
+def _missing_options(wrapper: str) -> list[str]:
+    """The inductor options of `wrapper` this torch's inductor does not have (an older torch)."""
+    from torch._inductor import config
+
+    return [k for k in CPU_WRAPPERS.get(wrapper, {}) if not hasattr(config, k)]
+
+
 def cpu_wrapper() -> str:
     """The wrapper compiled CPU steps get: $DECODELAB_CPU_WRAPPER where set (read at each
-    call), else `DEFAULT_CPU_WRAPPER`; one of `CPU_WRAPPERS` (`wrapper_problems`)."""
-    return os.environ.get("DECODELAB_CPU_WRAPPER") or DEFAULT_CPU_WRAPPER
+    call; one of `CPU_WRAPPERS`, else `wrapper_problems` says so), else `DEFAULT_CPU_WRAPPER`
+    where this torch's inductor has its options, else "python"."""
+    asked = os.environ.get("DECODELAB_CPU_WRAPPER")
+    if asked:
+        return asked
+    return DEFAULT_CPU_WRAPPER if not _missing_options(DEFAULT_CPU_WRAPPER) else "python"
 
 
-def wrapper_problems() -> list[str]:
-    """Why `cpu_wrapper` names no wrapper, if it does not."""
+def wrapper_problems(device: torch.device | str = "cpu") -> list[str]:
+    """Why a step compiled on `device` cannot have the wrapper `cpu_wrapper` names (none off
+    a CPU: a CUDA step replays as a CUDA graph)."""
+    if torch.device(device).type != "cpu":
+        return []
     w = cpu_wrapper()
-    return [] if w in CPU_WRAPPERS else [
-        f"DECODELAB_CPU_WRAPPER={w!r} names no wrapper of compiled CPU steps: set it to one of "
-        f"{list(CPU_WRAPPERS)} (or unset it for {DEFAULT_CPU_WRAPPER!r})"]
+    if w not in CPU_WRAPPERS:
+        return [f"DECODELAB_CPU_WRAPPER={w!r} names no wrapper of compiled CPU steps: set it to one of "
+                f"{list(CPU_WRAPPERS)} (or unset it for {DEFAULT_CPU_WRAPPER!r})"]
+    missing = _missing_options(w)
+    return [f"DECODELAB_CPU_WRAPPER={w!r}: this torch ({torch.__version__}) has no inductor option "
+            f"{', '.join(missing)}; set it to 'python' or upgrade torch"] if missing else []
 
 
 def inductor_patches(device: torch.device | str) -> dict:
     """Inductor's options for a step compiled on `device`: `INDUCTOR_PATCHES`, and on a CPU
-    those of `cpu_wrapper` (SetupError where it names none)."""
-    if torch.device(device).type != "cpu":
-        return dict(INDUCTOR_PATCHES)
-    p = wrapper_problems()
+    those of `cpu_wrapper` (SetupError where `wrapper_problems` has any)."""
+    p = wrapper_problems(device)
     if p:
         raise SetupError(p)
+    if torch.device(device).type != "cpu":
+        return dict(INDUCTOR_PATCHES)
     return INDUCTOR_PATCHES | CPU_WRAPPERS[cpu_wrapper()]
 
 

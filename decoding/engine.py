@@ -228,6 +228,11 @@ def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list
         return [f"compile must be true or false, got {compile!r}"]
     if not compile:
         return []
+    from decodelab.decoding.compiled import static_problems, wrapper_problems
+
+    wrapper = [f"compile=True: {r}" for r in wrapper_problems(cache.layout.device)]  # whatever compiles here
+    if wrapper:
+        return wrapper
     tokens = 1
     if getattr(decoder, "verifies_tree", False):  # trees vary in size: eager, or the flat graphs (compile_flat)
         return []
@@ -239,8 +244,6 @@ def engine_compile_problems(cache, decoder, compile, compile_flat=False) -> list
                    "it verifies a varying number of tokens (adaptive gamma): give it a fixed gamma "
                    "(decoder.adaptive=false) or run it with compile=False")
             return [f"compile=True in the engine compiles steps of a fixed number of tokens; {decoder!r}: {why}"]
-    from decodelab.decoding.compiled import static_problems
-
     return [f"compile=True: {r}" for r in static_problems(cache, "compile", tokens)]
 
 

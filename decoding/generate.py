@@ -9,7 +9,7 @@ from typing import Callable, Generator
 
 import torch
 
-from decodelab.decoding.compiled import static_problems
+from decodelab.decoding.compiled import static_problems, wrapper_problems
 from decodelab.decoding.prefill import token_id_problems
 from decodelab.decoding.runner import model_runner
 from decodelab.models.errors import SetupError, raise_if, shown
@@ -157,12 +157,13 @@ def compile_problems(cache, decoder) -> list[str]:
     drafter's steps (their cache checked where it is built) and its verify where the cache
     plans a step of that many tokens (else the verify stays eager); a tree decoder's trees
     (of varying size) stay eager."""
+    wrapper = [f"compile=true: {r}" for r in wrapper_problems(cache.layout.device)]  # whatever compiles here
     if getattr(decoder, "compiles_drafter", False):
-        return []
+        return wrapper
     if not getattr(decoder, "takes_compiled_step", False):
         return [f"compile=true: {type(decoder).__name__} declares no step that compiles (takes_compiled_step or "
                 "compiles_drafter); use compile=false"]
-    return [f"compile=true: {r}" for r in static_problems(cache, "compile")]
+    return wrapper + [f"compile=true: {r}" for r in static_problems(cache, "compile")]
 
 
 def _length(ids) -> int:

@@ -160,6 +160,7 @@ class ModelRunner:
         self.compile_s = 0.0  # seconds `model_runner` spent compiling
         self.fn = None
         if compile:
+            options = compiled.inductor_patches(cache.layout.device) if backend == "inductor" else None  # refused first
             compiled.allow_recompiles()
             compiled.inductor_cache_dir()
             model.memoize_rope(cache.layout.device)  # memos filled before tracing: no guard on their state
@@ -167,7 +168,6 @@ class ModelRunner:
             dev = cache.layout.device
             self.bufs = {n: (torch.zeros(n, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev))
                          for n in self.buckets}
-            options = compiled.inductor_patches(dev) if backend == "inductor" else None
             self.fn = torch.compile(self._flat, backend=backend, options=options, dynamic=False, fullgraph=True)
 
     def _flat(self, ids: torch.Tensor, positions: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:

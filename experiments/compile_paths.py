@@ -58,7 +58,7 @@ def measure(weights: str, steps: int, rounds: int) -> list[dict]:
     decs = {"replay": compiled.compiled_step(lm.model, caches["replay"])}
     decs["dynamo"], caches["dynamo"] = decs["replay"], caches["replay"]  # the same graph, called through dynamo
     before = os.environ.get("DECODELAB_CPU_WRAPPER")
-    os.environ["DECODELAB_CPU_WRAPPER"] = "python"  # read when a step is built (its compile comes later)
+    os.environ["DECODELAB_CPU_WRAPPER"] = "python"  # read when the step is built and compiled, here
     try:
         decs["replay-python"] = compiled.compiled_step(lm.model, caches["replay-python"])
     finally:

@@ -13,9 +13,9 @@ from decodelab.models.loading import random_model
 
 torch.set_num_threads(2)
 # compiled CPU steps in tests: inductor's Python wrapper. The C++ wrapper users get by default
-# builds a C++ entry per graph, which for these tests' many small graphs nearly doubles their
-# compile time (tests/decoding/test_compiled.py: 68 s against 125 s, Zen 3);
-# tests/decoding/test_cpu_wrapper.py runs it, and DECODELAB_CPU_WRAPPER=cpp pytest ... everywhere
+# builds a C++ entry per graph, which costs these tests' many small graphs more than it saves
+# (experiments/results/roofline-s49/README.md); tests/decoding/test_cpu_wrapper.py runs it,
+# and DECODELAB_CPU_WRAPPER=cpp pytest ... runs it everywhere
 os.environ.setdefault("DECODELAB_CPU_WRAPPER", "python")
 
 TINY = {
