@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from decodelab.models.errors import SetupError
+from decodelab.models.errors import SetupError, raise_if
 
 MODES = ("eager", "graph", "compile")
 
@@ -234,12 +234,8 @@ def wrapper_problems(device: torch.device | str = "cpu") -> list[str]:
 def inductor_patches(device: torch.device | str) -> dict:
     """Inductor's options for a step compiled on `device`: `INDUCTOR_PATCHES`, and on a CPU
     those of `cpu_wrapper` (SetupError where `wrapper_problems` has any)."""
-    p = wrapper_problems(device)
-    if p:
-        raise SetupError(p)
-    if torch.device(device).type != "cpu":
-        return dict(INDUCTOR_PATCHES)
-    return INDUCTOR_PATCHES | CPU_WRAPPERS[cpu_wrapper()]
+    raise_if(wrapper_problems(device))
+    return INDUCTOR_PATCHES | (CPU_WRAPPERS[cpu_wrapper()] if torch.device(device).type == "cpu" else {})
 
 
 def _noting_backend(inner_backend):

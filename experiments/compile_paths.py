@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 
 def _steps(model, cache, dec, prompt, steps: int) -> tuple[float, list[int]]:
@@ -57,14 +58,8 @@ def measure(weights: str, steps: int, rounds: int) -> list[dict]:
     caches = {p: make_cache(lm.model, 1, 512) for p in ("replay", "replay-python", "public")}
     decs = {"replay": compiled.compiled_step(lm.model, caches["replay"])}
     decs["dynamo"], caches["dynamo"] = decs["replay"], caches["replay"]  # the same graph, called through dynamo
-    before = os.environ.get("DECODELAB_CPU_WRAPPER")
-    os.environ["DECODELAB_CPU_WRAPPER"] = "python"  # read when the step is built and compiled, here
-    try:
+    with mock.patch.dict(os.environ, DECODELAB_CPU_WRAPPER="python"):  # read when the step is built and compiled
         decs["replay-python"] = compiled.compiled_step(lm.model, caches["replay-python"])
-    finally:
-        os.environ.pop("DECODELAB_CPU_WRAPPER")
-        if before is not None:
-            os.environ["DECODELAB_CPU_WRAPPER"] = before
     real = compiled.torch_private
     compiled.torch_private = lambda: None
     try:

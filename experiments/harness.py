@@ -63,8 +63,8 @@ def _git(*args: str) -> str:
 
 
 def run_conditions(model=None) -> dict:
-    """Hardware, threads, versions and git revision, recorded with every figure (and
-    `cpu_wrapper`, how a compiled CPU step would call its kernels: `cpu_wrapper`); with a
+    """Hardware, threads, versions, git revision and the wrapper a compiled CPU step gets
+    (`cpu_wrapper`), recorded with every figure; with a
     model, its dtype, device, matmul and the kernels that compute its quantized weights
     (`weight_kernel`: `native-int8`, `_weight_int8pack_mm`, ...; None for unquantized ones);
     given the LoadedModel, also where its weights came from (`model_source`, `model_path`,
