@@ -190,11 +190,11 @@ _REPLAYABLE: dict = {}
 #: the graph's inputs (hundreds of module tensors, checked at every call, about 10% of an int4
 #: SmolLM2 step: 118 -> 130 tok/s, Zen 3); a step's inputs are fixed when it is built
 INDUCTOR_PATCHES = {"size_asserts": False, "alignment_asserts": False}
-#: how a compiled CPU step's graph calls its operators and kernels, by the name
-#: $DECODELAB_CPU_WRAPPER gives (`cpu_wrapper`): "cpp", inductor's C++ wrapper (the step's
-#: calls made from C++, custom operators through the dispatcher, no Python between them; its
-#: entry built at -O1 apart from the kernels at -O3, so that a model's large entry builds
-#: quickly), or "python", inductor's Python wrapper. experiments/README.md ("Batch-1 decode
+#: how a compiled CPU step's graph calls its operators and kernels, by the name a run's
+#: `cpu_wrapper` option or $DECODELAB_CPU_WRAPPER gives (`cpu_wrapper`): "cpp", inductor's C++
+#: wrapper (the step's calls made from C++, custom operators through the dispatcher, no Python
+#: between them; its entry built at -O1 apart from the kernels at -O3, so that a model's large
+#: entry builds quickly), or "python", inductor's Python wrapper. experiments/README.md ("Batch-1 decode
 #: at the memory roofline") has what each costs and buys.
 CPU_WRAPPERS = {"cpp": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}, "python": {}}
 DEFAULT_CPU_WRAPPER = "cpp"
@@ -207,11 +207,38 @@ def _missing_options(wrapper: str) -> list[str]:
     return [k for k in CPU_WRAPPERS.get(wrapper, {}) if not hasattr(config, k)]
 
 
+#: the wrapper a run's `cpu_wrapper` option chose (`use_cpu_wrapper`), ahead of the environment
+_CHOSEN: dict = {"wrapper": None}
+
+
+def cpu_wrapper_problems(name, key: str = "cpu_wrapper", unset: str = "null") -> list[str]:
+    """Why `name` (given as `key`; `unset`: how to ask for the default) cannot be the wrapper of
+    compiled CPU steps: not one of `CPU_WRAPPERS`, or one whose inductor options this torch
+    lacks. None (the default) has none."""
+    if name is None:
+        return []
+    if name not in CPU_WRAPPERS:
+        return [f"{key}={name!r} names no wrapper of compiled CPU steps: use one of {list(CPU_WRAPPERS)} "
+                f"(or {unset} for {DEFAULT_CPU_WRAPPER!r})"]
+    missing = _missing_options(name)
+    return [f"{key}={name!r}: this torch ({torch.__version__}) has no inductor option {', '.join(missing)}; "
+            "use 'python' or upgrade torch"] if missing else []
+
+
+def use_cpu_wrapper(name: str | None) -> None:
+    """Give the CPU steps compiled from now on in this process the wrapper `name` (a run's
+    `cpu_wrapper` option, set where `threads` is; None: back to $DECODELAB_CPU_WRAPPER, else the
+    default). SetupError, changing nothing, where `cpu_wrapper_problems` has any."""
+    raise_if(cpu_wrapper_problems(name))
+    _CHOSEN["wrapper"] = name
+
+
 def cpu_wrapper() -> str:
-    """The wrapper compiled CPU steps get: $DECODELAB_CPU_WRAPPER where set (read at each
-    call; one of `CPU_WRAPPERS`, else `wrapper_problems` says so), else `DEFAULT_CPU_WRAPPER`
-    where this torch's inductor has its options, else "python"."""
-    asked = os.environ.get("DECODELAB_CPU_WRAPPER")
+    """The wrapper compiled CPU steps get: the one `use_cpu_wrapper` chose, else
+    $DECODELAB_CPU_WRAPPER where set (read at each call; one of `CPU_WRAPPERS`, else
+    `wrapper_problems` says so), else `DEFAULT_CPU_WRAPPER` where this torch's inductor has its
+    options, else "python"."""
+    asked = _CHOSEN["wrapper"] or os.environ.get("DECODELAB_CPU_WRAPPER")
     if asked:
         return asked
     return DEFAULT_CPU_WRAPPER if not _missing_options(DEFAULT_CPU_WRAPPER) else "python"
@@ -222,13 +249,9 @@ def wrapper_problems(device: torch.device | str = "cpu") -> list[str]:
     a CPU: a CUDA step replays as a CUDA graph)."""
     if torch.device(device).type != "cpu":
         return []
-    w = cpu_wrapper()
-    if w not in CPU_WRAPPERS:
-        return [f"DECODELAB_CPU_WRAPPER={w!r} names no wrapper of compiled CPU steps: set it to one of "
-                f"{list(CPU_WRAPPERS)} (or unset it for {DEFAULT_CPU_WRAPPER!r})"]
-    missing = _missing_options(w)
-    return [f"DECODELAB_CPU_WRAPPER={w!r}: this torch ({torch.__version__}) has no inductor option "
-            f"{', '.join(missing)}; set it to 'python' or upgrade torch"] if missing else []
+    if _CHOSEN["wrapper"]:  # checked when chosen
+        return cpu_wrapper_problems(_CHOSEN["wrapper"])
+    return cpu_wrapper_problems(cpu_wrapper(), "DECODELAB_CPU_WRAPPER", "unset it")
 
 
 def inductor_patches(device: torch.device | str) -> dict:

@@ -54,7 +54,7 @@ def option_problems(cfg: DictConfig) -> list[str]:
             p.append(f"setups lists a name twice: {list(names)}")
     if cfg.reference not in REFERENCES:
         p.append(f"reference must be one of {list(REFERENCES)}, got {cfg.reference!r}")
-    return p + harness.int_problems(cfg, {"forced_tokens": 1, "free_tokens": 0, "threads": 1})
+    return p + harness.int_problems(cfg, {"forced_tokens": 1, "free_tokens": 0}) + harness.run_option_problems(cfg)
 
 
 def threshold_problems(agreement) -> list[str]:

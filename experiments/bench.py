@@ -49,7 +49,7 @@ NOT_HASHED = ("hydra", "redo", "progress", "name")  # change nothing that is mea
 def check(cfg: DictConfig):
     """Every problem of the run options, the setup and the workload, together; returns
     the validated workload."""
-    reasons = harness.int_problems(cfg, {"max_new_tokens": 1, "batch_size": 1, "threads": 1})
+    reasons = harness.int_problems(cfg, {"max_new_tokens": 1, "batch_size": 1}) + harness.run_option_problems(cfg)
     if cfg.compare_transformers:  # transformers' greedy generate() at full precision, one prompt at a time
         lossless = harness.declared(cfg.decoder, "lossless_at_temperature_0") and not cfg.decoder.get("temperature")
         reasons += [f"compare_transformers {why}" for ok, why in (

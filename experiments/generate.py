@@ -81,8 +81,8 @@ def check_request(cfg: DictConfig, text: str | None = None) -> None:
     if text is not None and not text.strip():
         reasons.append("the prompt is empty: give some text")
     harness.collect(reasons, lambda: stop_strings(cfg.stop))
-    raise_if(reasons + harness.int_problems(cfg, {"max_new_tokens": 1, "prefill_chunk": 1, "threads": 1},
-                                            nullable=("prefill_chunk", "threads")))
+    raise_if(reasons + harness.int_problems(cfg, {"max_new_tokens": 1, "prefill_chunk": 1},
+                                            nullable=("prefill_chunk",)) + harness.run_option_problems(cfg))
 
 
 def report(result, out=None) -> None:

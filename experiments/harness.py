@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.base import CacheLayout
-from decodelab.decoding.compiled import cpu_wrapper, static_problems
+from decodelab.decoding.compiled import cpu_wrapper, cpu_wrapper_problems, static_problems, use_cpu_wrapper
 from decodelab.decoding.generate import compile_problems, sync
 from decodelab.decoding.text import compiled_capacity
 from decodelab.experiments.cli import group_options
@@ -328,12 +328,20 @@ def capacity(cfg: DictConfig, model, batch_size: int, need: int, factory) -> int
     return compiled_capacity(model, batch_size, need, factory) if compiles(cfg) else need
 
 
+def run_option_problems(cfg: DictConfig) -> list[str]:
+    """The process-wide options every entry point takes: `threads` (null or >= 1) and
+    `cpu_wrapper` (null, or a name of decoding.compiled.CPU_WRAPPERS this torch has)."""
+    return int_problems(cfg, {"threads": 1}) + cpu_wrapper_problems(cfg.get("cpu_wrapper"))
+
+
 def load_model(cfg: DictConfig):
-    """The target model of `cfg.model` with `cfg.threads` torch threads (when set); pins
-    the git revision the run starts with."""
+    """The target model of `cfg.model` with `cfg.threads` torch threads (when set) and
+    `cfg.cpu_wrapper` the wrapper of the CPU steps it compiles (null: $DECODELAB_CPU_WRAPPER,
+    else the default); pins the git revision the run starts with."""
     git_rev()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
+    use_cpu_wrapper(cfg.get("cpu_wrapper"))
     return instantiate_unwrapped(cfg.model)
 
 

@@ -461,8 +461,9 @@ def check(cfg: DictConfig) -> None:
         p += harness.int_problems(cfg, {"prefill_chunk": 1}, nullable=("prefill_chunk",))
         if not isinstance(cfg.compare_transformers, bool):
             p.append(f"compare_transformers must be true or false, got {cfg.compare_transformers!r}")
-    p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens", "threads",
+    p += harness.int_problems(cfg, dict.fromkeys(("repeats", "steps", "prompts", "forced_tokens",
                                                   "decode_rows", "decode_context", "chunk_context"), 1))
+    p += harness.run_option_problems(cfg)
     if cfg.part in ("weights", "weights_quality", "step_profile"):
         p += weight_problems(cfg)
     if cfg.part == "perplexity":

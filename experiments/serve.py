@@ -58,7 +58,7 @@ def check(cfg: DictConfig) -> None:
         p.append(f"trace must be one of {list(TRACES)}, got {cfg.trace!r}")
     p += harness.int_problems(cfg, {"requests": 1, "max_output_tokens": 1, "max_prompt_tokens": 1,
                                     "max_running": 1, "system_prompt_tokens": 1, "check_alone": 0, "unloaded": 0,
-                                    "repeats": 1, "headroom": 0})
+                                    "repeats": 1, "headroom": 0}) + harness.run_option_problems(cfg)
     not_lists = harness.list_problems(cfg, {"rates": "inf", "backends": "dense"})
     p += not_lists.values()
     try:

@@ -388,3 +388,46 @@ def test_as_lists_leaves_interpolations_escapes_and_quoted_sweeps_as_written():
     kept = ["rates=${oc.env:R,1}", "backends=${x}"]
     assert as_lists(serve, kept) == kept
     assert as_lists(gen, ["stop=a\\,b", "stop='a','b'", "stop=ab"]) == ["stop=a\\,b", "stop='a','b'", "stop=[ab]"]
+
+
+def _entry_checks():
+    """(config name, its entry point's check) of every console script."""
+    from decodelab.experiments import agree, bench, generate, micro, serve
+
+    return {"config": bench.check, "generate": generate.check, "micro": micro.check, "serve": serve.check,
+            "agree": lambda cfg: agree.check_all(cfg, [])}
+
+
+@pytest.mark.parametrize("name", ["config", "generate", "micro", "serve", "agree"])
+def test_every_entry_point_refuses_a_cpu_wrapper_or_threads_that_names_none(name, tiny_models):
+    """cpu_wrapper and threads, the options every entry point takes and sets for the whole
+    process (harness.load_model), are checked by each before its model loads: a wrapper that
+    is not one, and fewer than one thread, named with the fix; cpu_wrapper=python passes."""
+    check = _entry_checks()[name]
+    own = ["prompt=Hello"] if name == "generate" else []  # (no prompt: generate reads stdin)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        bad = compose(config_name=name, overrides=["model=tiny-llama", "cpu_wrapper=cxx", "threads=0", *own])
+        good = compose(config_name=name, overrides=["model=tiny-llama", "cpu_wrapper=python", "threads=1", *own])
+    with pytest.raises(SetupError) as e:
+        check(bad)
+    assert "cpu_wrapper='cxx' names no wrapper of compiled CPU steps: use one of ['cpp', 'python']" in str(e.value)
+    assert "threads must be null or an integer >= 1, got 0" in str(e.value)
+    check(good)
+
+
+def test_the_cpu_wrapper_option_is_set_for_the_process_when_the_model_loads(tiny_models, monkeypatch, tmp_path):
+    """load_model applies cfg.cpu_wrapper ahead of $DECODELAB_CPU_WRAPPER (which the tests set
+    to python), records it in the run conditions, and null gives the environment's back."""
+    from decodelab.decoding import compiled
+
+    monkeypatch.setattr(compiled, "_CHOSEN", {"wrapper": None})  # restored after the test
+    monkeypatch.setenv("DECODELAB_CPU_WRAPPER", "python")
+    monkeypatch.setattr(harness, "instantiate_unwrapped", lambda spec: tiny_models["llama"])
+    lm = harness.load_model(config("model=tiny-llama", "cpu_wrapper=cpp"))
+    assert compiled.cpu_wrapper() == "cpp" and compiled.inductor_patches("cpu")["cpp_wrapper"] is True
+    assert harness.run_conditions(lm)["cpu_wrapper"] == "cpp"
+    harness.load_model(config("model=tiny-llama"))
+    assert compiled.cpu_wrapper() == "python" and "cpp_wrapper" not in compiled.inductor_patches("cpu")
+    with pytest.raises(SetupError, match=r"cpu_wrapper='cxx' names no wrapper"):
+        compiled.use_cpu_wrapper("cxx")
+    assert compiled.cpu_wrapper() == "python"  # a refused choice changes nothing
