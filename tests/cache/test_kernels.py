@@ -49,6 +49,7 @@ def interpreted() -> dict:
     return {(r["case"], r["dtype"]): r for r in json.loads(run.stdout)}
 
 
+@pytest.mark.slow  # 26 s in the default run on a 2-core Zen 3 (session 50)
 @needs_triton
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", [c.name for c in CASES])
@@ -64,6 +65,7 @@ def ptxas_bundled() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
+@pytest.mark.slow  # 7.1 s in the default run on a 2-core Zen 3 (session 50)
 @needs_triton
 def test_kernels_compile_for_hopper():
     """Triton's real compiler (not the interpreter) builds every bf16 kernel variant the

@@ -382,6 +382,7 @@ def test_speculative_rows_near_capacity_are_released_with_their_request(tiny_mod
     assert [x.tokens for x in r.requests] == expected
 
 
+@pytest.mark.slow  # 11.5 s in the default run on a 2-core Zen 3 (session 50)
 @pytest.mark.parametrize("name,backend", [("llama", b) for b in ON["llama"]] + [("gemma3", "sliding")])
 @pytest.mark.parametrize("flat", [False, True])
 def test_a_compiled_engine_serves_the_same_tokens(tiny_models, alone, name, backend, flat, monkeypatch):
@@ -412,6 +413,7 @@ def eager_backend(monkeypatch) -> None:
     monkeypatch.setattr(runner, "BACKEND", "eager")
 
 
+@pytest.mark.slow  # 8.8 s in the default run on a 2-core Zen 3 (session 50)
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("draft", ["prompt-lookup", "int8-self"])
 @pytest.mark.parametrize("backend", ["dense", "paged", "int4", "sliding", "sliding-imposed"])

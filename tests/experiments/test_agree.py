@@ -122,6 +122,7 @@ def test_int4_figures_are_reported(tmp_path, capsys):
     assert code == (0 if all(r["passed"] for r in doc["rows"]) else 1)
 
 
+@pytest.mark.slow  # 4.8 s in the default run on a 2-core Zen 3 (session 50)
 def test_the_main_jobs_long_prompts_make_int4_kv_quantize_most_of_each_context(tmp_path):
     """workload=sharegpt-long (the main job's agreement panel): each forced position reads
     over half of its context quantized at int4's defaults (residual 112, flush 64), and the
@@ -201,6 +202,7 @@ def test_command_line_says_how_a_weights_setups_weights_compute(tmp_path, monkey
     assert [(w["prefill_dtype"], w["kernel"]) for w in made] == [("bfloat16", "torch")]
 
 
+@pytest.mark.slow  # 7.8 s in the default run on a 2-core Zen 3 (session 50)
 def test_an_impossible_threshold_exits_1(tmp_path):
     p = cli(*TINY_LLAMA, *INT4_SMALL, "workload.lengths=[100]", "forced_tokens=16", "free_tokens=0",
             "setups=[int4]", "agreement.max_abs_dlogit=1e-9", f"hydra.run.dir={tmp_path}")
@@ -213,6 +215,7 @@ BAD = ["model=tiny-llama", "workload=synthetic", "workload.lengths=[]", "setups=
        "reference=hf", "forced_tokens=0", "decoder.temperature=-1", "agreement.min_top1=2", "cache=paged"]
 
 
+@pytest.mark.slow  # 5.9 s in the default run on a 2-core Zen 3 (session 50)
 def test_bad_config_exits_2_with_every_reason_and_no_traceback(tmp_path):
     p = cli(*BAD, f"hydra.run.dir={tmp_path}")
     assert p.returncode == 2

@@ -40,6 +40,7 @@ def results(root: Path) -> dict[Path, dict]:
     return {f: json.loads(f.read_text().splitlines()[-1]) for f in root.rglob(RESULTS)}
 
 
+@pytest.mark.slow  # 23 s in the default run on a 2-core Zen 3 (session 50)
 def test_sweep_every_cache_and_decoder_into_a_report_then_rerun_skips(tmp_path, prompts):
     sweep = tmp_path / "sweep"
     # prompts of 200 tokens: past int4's exact residual (112) by more than a group (64), so int4 quantizes
@@ -110,6 +111,7 @@ def test_kill_9_mid_sweep_keeps_finished_runs_and_the_rerun_completes_the_rest(t
     assert len(runs) == 4 and len({r["run"] for r in runs}) == 4
 
 
+@pytest.mark.slow  # 5.6 s in the default run on a 2-core Zen 3 (session 50)
 def test_bad_config_fails_fast_with_every_reason_and_no_traceback():
     t = time.perf_counter()
     p = bench("cache=pagd", "decoder=speculative", "decoder.gamma=0", "decoder.temperature=-1")

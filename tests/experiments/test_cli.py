@@ -88,6 +88,7 @@ def test_cli_exit_code_and_message():
     assert "temperature" in p.stderr and "top_k" in p.stderr and "2 problem(s)" in p.stderr
 
 
+@pytest.mark.slow  # 7.2 s in the default run on a 2-core Zen 3 (session 50)
 def test_cli_reads_stdin():
     p = subprocess.run([sys.executable, "-m", "decodelab.experiments.generate", "model=tiny-llama", "model.device=cpu",
                         "max_new_tokens=3", "chat_template=false"], cwd=ROOT, input="Hello from stdin",
@@ -125,6 +126,7 @@ def generate_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return p
 
 
+@pytest.mark.slow  # 8.3 s in the default run on a 2-core Zen 3 (session 50)
 def test_cli_stdout_holds_only_the_text(expected, tmp_path):
     p = generate_cli(cwd=tmp_path)
     assert p.stdout == expected["text"]  # `> out.txt` keeps the reply alone

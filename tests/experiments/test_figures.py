@@ -264,6 +264,7 @@ def test_axis_scales_follow_the_range():
     assert row_scale(RowPanel((Row("a", 0.0), Row("b", 0.3, threshold=2e-5)), "x", "t", "log")) == ("symlog", 1e-5)
 
 
+@pytest.mark.slow  # 7.5 s in the default run on a 2-core Zen 3 (session 50)
 def test_figures_at_print_resolution_plus_svg_or_pdf(sweep, tmp_path):
     from decodelab.models.errors import SetupError
 
@@ -282,6 +283,7 @@ def test_figures_at_print_resolution_plus_svg_or_pdf(sweep, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # 4.5 s in the default run on a 2-core Zen 3 (session 50)
 def test_agree_and_micro_figures_are_written(tmp_path):
     paths = write_report(agree_and_micro(tmp_path))
     for stem in ("agreement", "weights_decode_vs_context"):

@@ -19,6 +19,7 @@ from decodelab.experiments.report import read_results
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 4.0 s in the default run on a 2-core Zen 3 (session 50)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_full_check_refuses_without_cuda(tmp_path):
     p = subprocess.run([str(Path(sys.executable).parent / "decodelab-gpu-check"), f"out={tmp_path}"],
@@ -42,6 +43,7 @@ def smoke(tmp_path_factory) -> dict:
     return sections
 
 
+@pytest.mark.slow  # 34 s in the default run on a 2-core Zen 3 (session 50)
 def test_smoke_runs_every_section_without_errors(smoke):
     assert "error" not in smoke, smoke.get("error")
     assert smoke["copy_bandwidth"][0]["GBps"] > 0

@@ -59,6 +59,7 @@ def test_stop_newlines_end_the_reply_end_to_end():
 
 
 # -- prompts ---------------------------------------------------------------------------
+@pytest.mark.slow  # 12 s in the default run on a 2-core Zen 3 (session 50)
 def test_prompt_file_problems_are_named(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9".encode("latin-1"))
@@ -83,7 +84,8 @@ BAD_WORKLOADS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_WORKLOADS))
-@pytest.mark.parametrize("name", ["bench", "agree"])
+# agree: 20 s in the default run on a 2-core Zen 3 (session 50)
+@pytest.mark.parametrize("name", ["bench", pytest.param("agree", marks=pytest.mark.slow)])
 def test_a_bad_jsonl_workload_is_refused_by_file_and_line_before_weights_load(tmp_path, case, name):
     text, message = BAD_WORKLOADS[case]
     f = tmp_path / "w.jsonl"
@@ -125,6 +127,7 @@ def test_a_garbage_results_file_reruns_that_run_only_and_the_report_is_rebuilt(t
     assert sum(line.startswith("| ") for line in (sweep / "report.md").read_text().splitlines()) == 1 + 2
 
 
+@pytest.mark.slow  # 9.5 s in the default run on a 2-core Zen 3 (session 50)
 def test_two_identical_sweeps_into_one_directory_run_each_job_once(tmp_path, prompts):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "decodelab.experiments.bench", *sweep_args(prompts, sweep)]

@@ -46,6 +46,7 @@ def test_main_job_writes_every_panel(tmp_path):
         assert f"{step} done in" in r.stderr and (out / f"{step}.log").is_file()
 
 
+@pytest.mark.slow  # 12 s in the default run on a 2-core Zen 3 (session 50)
 def test_main_job_stops_at_a_failing_step(tmp_path):
     r = main_job(tmp_path / "bad", GAMMA_ARGS="drafts=[prompt-lokup]")
     assert r.returncode != 0 and "main job: step 'gamma' failed" in r.stderr

@@ -90,6 +90,7 @@ def test_kv_speed_prefills_in_chunks_and_leaves_transformers_out_when_asked(tmp_
     assert "compare_transformers must be true or false, got 'maybe'" in str(e.value)
 
 
+@pytest.mark.slow  # 3.0 s in the default run on a 2-core Zen 3 (session 50)
 def test_kv_speed_times_the_compiled_step_beside_the_eager_one(tmp_path, monkeypatch):
     """kv_compile=true: each backend also through the compiled static step (dynamo's eager
     backend here: fast to build), compiled once per context with its compile time; ratios
@@ -117,6 +118,7 @@ def test_kv_speed_times_the_compiled_step_beside_the_eager_one(tmp_path, monkeyp
         micro(tmp_path, "part=kv_speed", "kv_weights=[int3]", "kv_compile=maybe")
 
 
+@pytest.mark.slow  # 4.2 s in the default run on a 2-core Zen 3 (session 50)
 def test_verify_cost_is_relative_to_one_token_per_impl(tmp_path, monkeypatch):
     from decodelab.experiments import micro as module
 
@@ -280,6 +282,7 @@ def test_step_profile_splits_a_compiled_step_by_part(tmp_path):
     assert q["step"]["bytes"] == int4.weight_read_bytes(1) + 14 * 2 * 2 * 2 * 16 * 4
 
 
+@pytest.mark.slow  # 7.0 s in the default run on a 2-core Zen 3 (session 50)
 def test_weights_part_rows_against_fp32_and_transformers(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["decodelab.decoding.runner"], "BACKEND", "eager")  # fast to build
     rows = micro(tmp_path, "part=weights", "contexts=[12]", "steps=3", "repeats=1", "prompts_per_context=2",
@@ -512,6 +515,7 @@ def llama_cpp_for_test(cfg, lm, kv):
     return llama_cpp_for(cfg, lm, 64, kv)
 
 
+@pytest.mark.slow  # 2.7 s in the default run on a 2-core Zen 3 (session 50)
 def test_kv_quality_at_long_context_forces_the_text_after_concatenated_conversations(tmp_path):
     """quality_context=N: each sequence is ShareGPT conversations concatenated to N tokens,
     then forced_tokens of the text after them; int4 (ours, residual 112 of 300 tokens)

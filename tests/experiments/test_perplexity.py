@@ -44,6 +44,7 @@ def micro(tmp_path, *overrides):
     return cfg, lambda: run(cfg, tmp_path)
 
 
+@pytest.mark.slow  # 6.0 s in the default run on a 2-core Zen 3 (session 50)
 def test_ours_matches_transformers_and_int4_kv_moves_it(tmp_path):
     # 700 tokens in windows of 320 every 160, fed 32 at a time: past the int4 residual (32) by groups of 32
     _, go = micro(tmp_path, "ppl_tokens=700", "context=320", "stride=160", "ppl_chunk=32", "ppl_weights=[int8]",
@@ -62,6 +63,7 @@ def test_ours_matches_transformers_and_int4_kv_moves_it(tmp_path):
     assert len(summaries) == len(rows)  # one summary record per system: system and perplexity in metrics
 
 
+@pytest.mark.slow  # 2.8 s in the default run on a 2-core Zen 3 (session 50)
 def test_without_anchors_the_reference_and_ours_run_and_the_report_draws_them(tmp_path):
     """ppl_anchors=false (the main job's panel): transformers' fp32 and our weights x caches
     only; the report's perplexity figure has one dot per setup, each labelled with its
@@ -85,6 +87,7 @@ def test_without_anchors_the_reference_and_ours_run_and_the_report_draws_them(tm
     assert write_report(tmp_path)["perplexity"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # 3.9 s in the default run on a 2-core Zen 3 (session 50)
 def test_kivis_ablation_preset_runs_its_grid_and_the_figure_labels_each_setting(tmp_path):
     """conf/preset/kivi-ablation.yaml sweeps int4 KV group size x residual on perplexity;
     two of its jobs (in-process, on the tiny model): each moves ours by its own amount,
@@ -111,6 +114,7 @@ def test_kivis_ablation_preset_runs_its_grid_and_the_figure_labels_each_setting(
                       "transformers QuantizedCache group_size=64 residual=128"]
 
 
+@pytest.mark.slow  # 2.5 s in the default run on a 2-core Zen 3 (session 50)
 def test_shakespeare_is_the_second_sample_in_the_same_run_with_a_panel_of_its_own(tmp_path):
     """ppl_samples=[sharegpt-replies, shakespeare] (the default): every system scores both
     samples, each row names its sample and its difference to transformers' fp32 on that

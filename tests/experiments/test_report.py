@@ -159,6 +159,7 @@ def test_speculative_plot_skipped_without_counterpart(tmp_path, caplog):
     assert any("no speculative run measured its speedup over greedy" in m for m in caplog.messages)
 
 
+@pytest.mark.slow  # 5.8 s in the default run on a 2-core Zen 3 (session 50)
 def test_cli_prints_table_and_paths(sweep):
     r = subprocess.run([str(Path(sys.executable).parent / "decodelab-report"), str(sweep), "format=pdf"],
                        capture_output=True, text=True, timeout=60)
@@ -188,6 +189,7 @@ def test_every_entry_gets_its_table_and_bad_lines_are_skipped(tmp_path, caplog):
     assert sum("not a JSON object" in m for m in caplog.messages) == 2  # the list and the broken line
 
 
+@pytest.mark.slow  # 8.3 s in the default run on a 2-core Zen 3 (session 50)
 def test_cli_exits_2_without_finished_runs(tmp_path):
     write_run(tmp_path / "only" / "0", "c00000000001", "dense", complete=False)
     for target in (tmp_path / "only", tmp_path / "missing"):

@@ -73,6 +73,7 @@ def ran(tmp_path_factory) -> dict:
     return {**done, "dir": d}
 
 
+@pytest.mark.slow  # 28 s in the default run on a 2-core Zen 3 (session 50)
 def test_bench_prints_its_table_and_the_results_path(ran):
     lines, err = ran["bench"]
     assert table_then_path(lines, "results: ") == ran["dir"] / "bench" / "results.jsonl"
@@ -115,6 +116,7 @@ FLAGS = [("generate", ["--cfg", "job"]), ("bench", ["-c=job"]), ("agree", ["--in
          ("report", ["--info", "defaults"])]
 
 
+@pytest.mark.slow  # 11 s in the default run on a 2-core Zen 3 (session 50)
 def test_every_console_script_takes_hydras_flags_in_both_spellings(tmp_path):
     """The console scripts (precheck, report's DIR shorthand) leave the word after a flag to it."""
     bin_dir = Path(sys.executable).parent

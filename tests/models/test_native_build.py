@@ -52,6 +52,7 @@ def test_a_build_is_probed_and_recorded(built):
     assert ready(built, copying(calls)) is None and calls == []  # a good library is loaded as it is
 
 
+@pytest.mark.slow  # 19 s in the default run on a 2-core Zen 3 (session 50)
 @pytest.mark.parametrize("damage", ["random bytes", "truncated", "random bytes, no record"])
 def test_a_damaged_library_is_found_and_rebuilt(built, damage, capsys):
     lib = built / LIBRARY
@@ -74,6 +75,7 @@ def test_a_damaged_library_is_found_and_rebuilt(built, damage, capsys):
         assert "in a probe process" in err  # the probe, not the caller, met the damage
 
 
+@pytest.mark.slow  # 6.5 s in the default run on a 2-core Zen 3 (session 50)
 def test_an_older_build_without_a_record_is_probed_and_kept(built):
     (built / RECORD).unlink()
     calls = []
@@ -104,6 +106,7 @@ def test_a_freshly_built_library_that_fails_its_probe_is_not_installed(tmp_path)
     assert why and "freshly built library fails its check" in why and not (folder / LIBRARY).exists()
 
 
+@pytest.mark.slow  # 6.9 s in the default run on a 2-core Zen 3 (session 50)
 def test_two_processes_on_an_empty_folder_build_once(tmp_path):
     """The second waits on the lock, then finds the first one's library good (the build
     goes on until both processes have started)."""
@@ -169,6 +172,7 @@ def test_the_library_is_built_by_cpp_extension_under_the_cache():
     assert library_problem(folder) is None
 
 
+@pytest.mark.slow  # 8.1 s in the default run on a 2-core Zen 3 (session 50)
 def test_a_rebuild_clears_a_stale_cpp_extension_lock_and_old_objects(built):
     """cpp_extension waits forever on a `lock` file that a killed build left in its folder;
     holding decodelab's flock no other build is running, so a rebuild starts from an empty
