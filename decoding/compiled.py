@@ -233,6 +233,20 @@ def use_cpu_wrapper(name: str | None) -> None:
     _CHOSEN["wrapper"] = name
 
 
+@contextlib.contextmanager
+def cpu_wrapper_chosen(name: str | None):
+    """Within: `cpu_wrapper` answers as a run whose `cpu_wrapper` option is `name` will once
+    `use_cpu_wrapper` applies it (its checks run before that: a valid name chosen, else, None
+    or a name with problems that `cpu_wrapper_problems` reports, the environment's), whatever an
+    earlier run in this process chose; restored after."""
+    before = _CHOSEN["wrapper"]
+    _CHOSEN["wrapper"] = None if cpu_wrapper_problems(name) else name
+    try:
+        yield
+    finally:
+        _CHOSEN["wrapper"] = before
+
+
 def cpu_wrapper() -> str:
     """The wrapper compiled CPU steps get: the one `use_cpu_wrapper` chose, else
     $DECODELAB_CPU_WRAPPER where set (read at each call; one of `CPU_WRAPPERS`, else

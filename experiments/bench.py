@@ -43,6 +43,9 @@ from decodelab.models.quantize import WeightOptions, kind_of
 log = logging.getLogger("decodelab.bench")
 RESULTS = harness.RESULTS
 NOT_HASHED = ("hydra", "redo", "progress", "name")  # change nothing that is measured
+#: options added after sweeps were run: hashed only where set, so that their default (null)
+#: leaves the hash of every earlier run as it was and finished runs are still found
+HASHED_WHERE_SET = ("cpu_wrapper",)
 
 
 # -- before any weights load ----------------------------------------------------------
@@ -62,8 +65,10 @@ def check(cfg: DictConfig):
 
 
 def config_hash(cfg: DictConfig) -> str:
-    """12 hex digits of the resolved config, without the keys that change nothing measured."""
-    c = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in NOT_HASHED}
+    """12 hex digits of the resolved config, without the keys that change nothing measured (and
+    `HASHED_WHERE_SET` at their default)."""
+    c = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items()
+         if k not in NOT_HASHED and not (k in HASHED_WHERE_SET and v is None)}
     return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -34,7 +34,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decodelab.cache.base import CacheLayout
-from decodelab.decoding.compiled import cpu_wrapper, cpu_wrapper_problems, static_problems, use_cpu_wrapper
+from decodelab.decoding.compiled import (cpu_wrapper, cpu_wrapper_chosen, cpu_wrapper_problems, static_problems,
+                                         use_cpu_wrapper)
 from decodelab.decoding.generate import compile_problems, sync
 from decodelab.decoding.text import compiled_capacity
 from decodelab.experiments.cli import group_options
@@ -264,6 +265,11 @@ def draft_problems(cfg: DictConfig) -> list[str]:
 
 def check(cfg: DictConfig) -> None:
     """Every problem of the model options, decoder, draft and cache configs, before weights load."""
+    with cpu_wrapper_chosen(cfg.get("cpu_wrapper")):  # what compiles, checked with the run's wrapper
+        _check_setup(cfg)
+
+
+def _check_setup(cfg: DictConfig) -> None:
     reasons = model_problems(cfg.model)
     needs_drafter = declared(cfg.decoder, "needs_drafter")
     kw = {"drafter": None} if needs_drafter else {}

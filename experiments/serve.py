@@ -32,6 +32,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from decodelab.decoding.compiled import cpu_wrapper_chosen
 from decodelab.decoding.engine import Engine, Request, engine_compile_problems, engine_problems
 from decodelab.decoding.generate import generate, percentile
 from decodelab.decoding.text import make_cache
@@ -88,7 +89,9 @@ def check(cfg: DictConfig) -> None:
             p += [r if "cannot serve" not in r else f"backend {b}: {r}"
                   for r in engine_problems(cache, decoder, cfg.token_budget, cfg.policy)
                   if i == 0 or "cannot serve" in r]
-            p += [f"backend {b}: {r}" for r in engine_compile_problems(cache, decoder, cfg.compile, cfg.compile_flat)]
+            with cpu_wrapper_chosen(cfg.get("cpu_wrapper")):  # checked with the run's wrapper
+                p += [f"backend {b}: {r}"
+                      for r in engine_compile_problems(cache, decoder, cfg.compile, cfg.compile_flat)]
     for b in (cfg.backend_options or {}):  # options of a backend this run does not serve: checked all the same
         if b not in harness.group_options("cache"):
             p.append(f"backend_options.{b}: no cache backend {b!r}; the options are {harness.group_options('cache')}")

@@ -225,6 +225,19 @@ def test_config_hash_ignores_bookkeeping_only():
     assert config_hash(a) != config_hash(config(*TINY, "max_new_tokens=7"))
 
 
+def test_config_hash_takes_cpu_wrapper_only_where_it_is_set():
+    """cpu_wrapper (added in session 50) at its default leaves the hash a config had before the
+    option existed, so a sweep finds its earlier runs; a wrapper chosen is a setup of its own."""
+    from omegaconf import open_dict
+
+    a, before = config(*TINY), config(*TINY)
+    with open_dict(before):
+        del before["cpu_wrapper"]
+    assert "cpu_wrapper" in a and config_hash(a) == config_hash(before)
+    assert config_hash(config(*TINY, "cpu_wrapper=python")) not in (config_hash(a),
+                                                                    config_hash(config(*TINY, "cpu_wrapper=cpp")))
+
+
 @pytest.mark.parametrize("launcher", ["local", pytest.param("parallel", marks=pytest.mark.slow)])  # 7 s each
 def test_sweep_through_the_cluster_and_parallel_launchers(tmp_path, prompts, launcher):
     """`local`: submitit's local executor, i.e. the Slurm launcher's code path (pickled

@@ -431,3 +431,23 @@ def test_the_cpu_wrapper_option_is_set_for_the_process_when_the_model_loads(tiny
     with pytest.raises(SetupError, match=r"cpu_wrapper='cxx' names no wrapper"):
         compiled.use_cpu_wrapper("cxx")
     assert compiled.cpu_wrapper() == "python"  # a refused choice changes nothing
+
+
+@pytest.mark.parametrize("name", ["config", "serve"])
+def test_what_compiles_is_checked_with_the_runs_own_wrapper(name, tiny_models, monkeypatch):
+    """The checks run before load_model applies cpu_wrapper: they take the run's option all the
+    same (not $DECODELAB_CPU_WRAPPER, nor an earlier run's choice in this process), the
+    environment's where the option is null, and leave the process's choice as it was."""
+    from decodelab.decoding import compiled
+
+    check = _entry_checks()[name]
+    monkeypatch.setattr(compiled, "_CHOSEN", {"wrapper": None})  # restored after the test
+    monkeypatch.setenv("DECODELAB_CPU_WRAPPER", "cxx")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        ours = compose(config_name=name, overrides=["model=tiny-llama", "compile=true", "cpu_wrapper=python"])
+        env = compose(config_name=name, overrides=["model=tiny-llama", "compile=true"])
+    check(ours)  # the option's python, though the environment names none
+    compiled.use_cpu_wrapper("cpp")  # an earlier job's choice
+    with pytest.raises(SetupError, match=r"DECODELAB_CPU_WRAPPER='cxx' names no wrapper"):
+        check(env)  # null: the environment's, refused before anything loads
+    assert compiled.cpu_wrapper() == "cpp"  # the earlier choice, restored

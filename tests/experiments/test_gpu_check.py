@@ -52,6 +52,7 @@ def test_smoke_runs_every_section_without_errors(smoke):
 
 
 
+@pytest.mark.slow  # with the module's `smoke` (34 s; session 50)
 @pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 def test_smoke_kernels_agree_in_the_interpreter(smoke):
     assert smoke["kernel_checks"] and all(r["ok"] for r in smoke["kernel_checks"])
@@ -59,6 +60,7 @@ def test_smoke_kernels_agree_in_the_interpreter(smoke):
     assert int4 and all(r["max_abs_err_vs_reference"] <= 1e-4 for r in int4)
 
 
+@pytest.mark.slow  # with the module's `smoke` (34 s; session 50)
 def test_smoke_decodes_every_backend_and_impl(smoke):
     runs = {(r["backend"].split("(")[0], r["impl"], r["batch"]) for r in smoke["decode"]}
     impls = ("reference", "triton") if triton_installed() else ("reference",)

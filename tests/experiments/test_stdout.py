@@ -80,29 +80,34 @@ def test_bench_prints_its_table_and_the_results_path(ran):
     assert "decodelab.bench" in err  # its log went to stderr
 
 
+@pytest.mark.slow  # with the module's `ran` (every console script once, 28 s; session 50)
 def test_report_prints_its_table_and_what_it_wrote(ran):
     lines, _ = ran["report"]
     assert table_then_path(lines, "wrote ").parent == ran["dir"] / "bench"
 
 
+@pytest.mark.slow  # with the module's `ran` (every console script once, 28 s; session 50)
 def test_agree_prints_its_matrix_and_the_results_path(ran):
     lines, err = ran["agree"]
     table_then_path(lines, "wrote ")
     assert "decodelab" in err
 
 
+@pytest.mark.slow  # with the module's `ran` (every console script once, 28 s; session 50)
 def test_micro_prints_its_table_and_the_results_path(ran):
     lines, err = ran["micro"]
     assert table_then_path(lines, "wrote ") == ran["dir"] / "micro" / "results.jsonl"
     assert "conditions" in err  # the run conditions: on stderr (and in results.jsonl)
 
 
+@pytest.mark.slow  # with the module's `ran` (every console script once, 28 s; session 50)
 def test_serve_prints_its_table_and_the_results_path(ran):
     lines, err = ran["serve"]
     assert table_then_path(lines, "results: ") == ran["dir"] / "serve" / "results.jsonl"
     assert "decodelab.serve" in err
 
 
+@pytest.mark.slow  # with the module's `ran` (every console script once, 28 s; session 50)
 def test_generate_prints_only_the_text(ran):
     lines, err = ran["generate"]
     data_only(lines)

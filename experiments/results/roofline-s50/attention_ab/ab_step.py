@@ -1,4 +1,4 @@
-# In one process: the compiled step of SmolLM2 (weights argv[1]) at context 256..320 (re-prefilled
+# In one process: the compiled step of SmolLM2 (weights argv[1]) from context 256, 32 steps per flag value (re-prefilled
 # each round), alternating blocks of 32 steps between kernel flag values (dl_set_ab), order
 # swapped each round; medians per value and the ratio.
 import os, sys, time, statistics, ctypes, torch
