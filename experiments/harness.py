@@ -43,6 +43,9 @@ from decodelab.models.errors import SetupError, raise_if
 from decodelab.models.loading import CONF_DIR, added_key_problems, instantiate_option, instantiate_unwrapped
 
 log = logging.getLogger("decodelab.harness")
+#: torch's CPU threads when this module loaded: what `threads: null` gives a run (and gives back
+#: after an earlier run in the same process, e.g. a multirun job, set its own)
+DEFAULT_THREADS = torch.get_num_threads()
 RESULTS = "results.jsonl"
 
 
@@ -341,12 +344,12 @@ def run_option_problems(cfg: DictConfig) -> list[str]:
 
 
 def load_model(cfg: DictConfig):
-    """The target model of `cfg.model` with `cfg.threads` torch threads (when set) and
-    `cfg.cpu_wrapper` the wrapper of the CPU steps it compiles (null: $DECODELAB_CPU_WRAPPER,
-    else the default); pins the git revision the run starts with."""
+    """The target model of `cfg.model` with `cfg.threads` torch threads (null: torch's default,
+    `DEFAULT_THREADS`, whatever an earlier run in this process set) and `cfg.cpu_wrapper` the
+    wrapper of the CPU steps it compiles (null: $DECODELAB_CPU_WRAPPER, else the default); pins
+    the git revision the run starts with."""
     git_rev()
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    torch.set_num_threads(int(cfg.threads) if cfg.get("threads") else DEFAULT_THREADS)
     use_cpu_wrapper(cfg.get("cpu_wrapper"))
     return instantiate_unwrapped(cfg.model)
 

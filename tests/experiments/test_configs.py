@@ -451,3 +451,20 @@ def test_what_compiles_is_checked_with_the_runs_own_wrapper(name, tiny_models, m
     with pytest.raises(SetupError, match=r"DECODELAB_CPU_WRAPPER='cxx' names no wrapper"):
         check(env)  # null: the environment's, refused before anything loads
     assert compiled.cpu_wrapper() == "cpp"  # the earlier choice, restored
+
+
+def test_threads_null_gives_torchs_default_back_after_an_earlier_run_set_its_own(tiny_models, monkeypatch):
+    """Jobs of a multirun share the process: a job with threads=null runs with torch's default
+    threads, not the count an earlier job set."""
+    import torch
+
+    monkeypatch.setattr(harness, "instantiate_unwrapped", lambda spec: tiny_models["llama"])
+    monkeypatch.setattr(harness, "DEFAULT_THREADS", 2)
+    before = torch.get_num_threads()
+    try:
+        harness.load_model(config("model=tiny-llama", "threads=1"))
+        assert torch.get_num_threads() == 1
+        harness.load_model(config("model=tiny-llama"))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
