@@ -38,13 +38,14 @@ compare: setup
 generate: setup
 	$(BIN)/decodelab-generate prompt="Explain in two sentences what a KV cache is." $(ARGS)
 
-# the default test run (real-model checks and heavy runs are marked slow and excluded)
+# the default test run (real-model checks and heavy runs are marked slow and excluded); its 15
+# slowest tests listed at the end (what to mark slow when it nears 10 minutes)
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
 
 # the real-model checks: SmolLM2-135M and Gemma-3-270M against transformers
 test-slow: setup
-	$(BIN)/python -m pytest -q -m slow $(ARGS)
+	$(BIN)/python -m pytest -q -m slow --durations=15 $(ARGS)
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m "slow or not slow" $(ARGS)

@@ -21,7 +21,8 @@ def test_imports_from_a_directory_with_its_own_models_and_cache_folders(tmp_path
     assert p.stdout.split() == ["True", "True"]  # the user's cache package, and ours with its configs
 
 
-# 20 s, in the default run: CI proves the wheel (builds it, installs it into a fresh venv, runs four console scripts)
+# CI proves the wheel in its slow run (builds it, installs it into a fresh venv, runs four console scripts)
+@pytest.mark.slow  # 33 s in the default run on a 2-core Zen 3 (session 50)
 def test_a_built_wheel_installed_not_editable_runs_from_any_directory(tmp_path):
     """`pip wheel .`, then `pip install` of that wheel (no editable link to the checkout)
     into a fresh venv that reuses the installed dependencies (a .pth line to this venv's

@@ -184,6 +184,7 @@ def test_compiled_draft_steps_in_a_bench_run(tmp_path, monkeypatch):
     assert bench_module.describe(own)["draft"] == "int8-self (compiled, dense cache)"  # its own cache: named
 
 
+@pytest.mark.slow  # 3.4 s in the default run on a 2-core Zen 3 (session 50)
 def test_side_by_side_with_transformers_generate(tmp_path):
     """compare_transformers (the `baseline` preset): transformers' generate() on the same
     ids, EOS ignored on both sides: the same tokens, its timings beside ours."""

@@ -80,6 +80,7 @@ def test_generate_compiled_reports_the_compile_apart(capsys, monkeypatch):
     assert rec["ttft_ms"] < rec["compile_ms"]  # tracing the step takes far longer than this request's TTFT
 
 
+@pytest.mark.slow  # 3.4 s in the default run on a 2-core Zen 3 (session 50)
 def test_cli_exit_code_and_message():
     p = subprocess.run([sys.executable, "-m", "decodelab.experiments.generate", "model=tiny-llama", "prompt=hi",
                         "decoder.temperature=nan", "decoder.top_k=-3"], cwd=ROOT, capture_output=True,

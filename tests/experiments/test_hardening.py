@@ -68,6 +68,7 @@ def test_prompt_file_problems_are_named(tmp_path):
     refused(entry("generate", *TINY, f"prompt_file={tmp_path / 'nope.txt'}"), "does not exist")
 
 
+@pytest.mark.slow  # 3.7 s in the default run on a 2-core Zen 3 (session 50)
 def test_an_empty_prompt_is_listed_with_every_other_problem():
     p = entry("generate", *TINY, "prompt=", "cache=pagd", "decoder.temprature=1", "max_new_tokens=0")
     refused(p, "the prompt is empty", "no such cache", "did you mean decoder.temperature", "max_new_tokens")

@@ -242,6 +242,7 @@ def test_weights_decode_rate_is_the_median_of_its_timed_decodes_with_their_quart
         [125 / 3, 31.25, 62.5, 4] * 2)
 
 
+@pytest.mark.slow  # 2.7 s in the default run on a 2-core Zen 3 (session 50)
 def test_step_profile_splits_a_compiled_step_by_part(tmp_path):
     """Per weight type, the compiled step's profile: tiny-llama's 2 layers call each
     projection kind twice a step (wqkv, wo, w_gate_up, w_down), the head, attention and

@@ -77,6 +77,7 @@ def test_bad_options_are_refused_before_weights_load(override, msg):
         check(config(override))
 
 
+@pytest.mark.slow  # 3.0 s in the default run on a 2-core Zen 3 (session 50)
 def test_console_script_refuses_with_exit_2_no_traceback_and_no_output_folder(tmp_path):
     p = subprocess.run([sys.executable, "-m", "decodelab.experiments.serve", *TINY, "rates=[-1]", "token_budget=0"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)

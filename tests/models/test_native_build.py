@@ -46,6 +46,7 @@ def scribble(lib: Path, offset: int = 80_000, n: int = 4096) -> None:
         fh.write(os.urandom(n))
 
 
+@pytest.mark.slow  # 6.1 s in the default run on a 2-core Zen 3 (session 50)
 def test_a_build_is_probed_and_recorded(built):
     assert (built / RECORD).is_file() and probe(built / LIBRARY) is None
     calls = []
@@ -90,6 +91,7 @@ def test_a_library_that_crashes_its_probe_is_named_with_the_signal(tmp_path):
     assert why is not None and str(bad) in why and ("killed it with SIG" in why or "failed (exit" in why)
 
 
+@pytest.mark.slow  # 3.2 s in the default run on a 2-core Zen 3 (session 50)
 def test_a_damaged_library_that_cannot_be_rebuilt_names_the_folder_to_delete(built):
     scribble(built / LIBRARY)
     why = ready(built, lambda tmp: "no compiler here")
@@ -97,6 +99,7 @@ def test_a_damaged_library_that_cannot_be_rebuilt_names_the_folder_to_delete(bui
     assert f"rm -r {built}" in why
 
 
+@pytest.mark.slow  # 2.5 s in the default run on a 2-core Zen 3 (session 50)
 def test_a_freshly_built_library_that_fails_its_probe_is_not_installed(tmp_path):
     folder = tmp_path / "k"
 
@@ -185,6 +188,7 @@ def test_a_rebuild_clears_a_stale_cpp_extension_lock_and_old_objects(built):
     assert not (built / "lock").exists() and library_problem(built) is None
 
 
+@pytest.mark.slow  # 2.6 s in the default run on a 2-core Zen 3 (session 50)
 def test_a_compile_error_is_a_problem_with_the_compilers_words(tmp_path):
     """The real cpp_extension build (in a child process) on a source that does not compile:
     a reason naming the folder and quoting the compiler, no exception, no library."""
