@@ -263,8 +263,8 @@ def wrapper_problems(device: torch.device | str = "cpu") -> list[str]:
     a CPU: a CUDA step replays as a CUDA graph)."""
     if torch.device(device).type != "cpu":
         return []
-    if _CHOSEN["wrapper"]:  # checked when chosen
-        return cpu_wrapper_problems(_CHOSEN["wrapper"])
+    if _CHOSEN["wrapper"]:  # only a wrapper without problems is ever chosen
+        return []
     return cpu_wrapper_problems(cpu_wrapper(), "DECODELAB_CPU_WRAPPER", "unset it")
 
 

@@ -535,8 +535,8 @@ static inline __attribute__((always_inline)) void decode_item(const int KIND, co
     const int64_t esize = KIND == 0 ? 4 : KIND == 3 ? 1 : 2, row = D * esize;
     for (; s + 4 <= c1; s += 4) {
         int64_t a0 = DL_SLOT(s), a1 = DL_SLOT(s + 1), a2 = DL_SLOT(s + 2), a3 = DL_SLOT(s + 3);
-        /* the keys 16 slots ahead (the values are left to the hardware's prefetcher: fetching them
-           here too made a compiled SmolLM2 step ~3% slower, session 50) */
+        /* the keys 16 slots ahead; the values are left to the hardware's prefetcher (what fetching
+           them here too cost: experiments/README.md, "Batch-1 decode at the memory roofline") */
         for (int r = 0; r < 4 && s + 16 + r < c1; r++) {
             const char* kp = (const char*)kh + DL_SLOT(s + 16 + r) * esize;
             for (int64_t off = 0; off < row; off += 64) _mm_prefetch(kp + off, _MM_HINT_T0);
