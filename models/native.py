@@ -45,6 +45,12 @@ arithmetic in another order, within float rounding of each other. Both loops fet
 arithmetic for eager code and compiled graphs alike (where an int4 product reads them, a
 compiled graph's own fused versions differ in the last bit and flip activation codes:
 models/transformer.py `share_kernels`).
+A shared-kernels model's Llama-style blocks whose four projections are native int4 run as two
+operators around their attention (models/transformer.py `Block.fuses`): `int4_qkv_rope` (the
+norm, the qkv product, its bias, RoPE on q and k) and `int4_block_out` (wo, the residual add,
+the norm, gate_up, ATen's SiLU and product, down, the residual add), each the same arithmetic as
+its steps one by one, so the same bits, in two operator calls where the steps make about twenty
+(an eager int4 decode step of SmolLM2 1.22x faster; a compiled one unchanged: experiments/README.md).
 A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound
 stores per step plan and runs `int4_store_attend` (write the new K/V, then attend) on them.
 The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute
@@ -171,6 +177,10 @@ def _build() -> None:
             lambda x, nib, scales, shifts, group_size, norm_w, eps, offset:
             x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::rope_cos_sin")(_rope_cos_sin_fake)
+        torch.library.register_fake("decodelab::int4_qkv_rope")(
+            lambda x, norm_w, eps, offset, nib, *rest: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
+        torch.library.register_fake("decodelab::int4_block_out")(
+            lambda attn, x, wo_nib, *rest: x.new_empty(x.shape[0], wo_nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int8_mm")(
             lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int4_mm")(

@@ -153,43 +153,77 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, norm_offset) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope, cache, plan, packed: Packed | None = None, norm=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache, plan, packed: Packed | None = None, norm=None,
+                fused: bool = False) -> torch.Tensor:
         """x [B, T, dim] (or its valid tokens [N, dim] with `packed`) -> the same shape. With
         several segments (`plan` and `rope`: a list, one per segment), each segment attends
         on its own, through its own plan. `norm`: x is the block's input and this RMSNorm of
-        it what the projection reads (`Block._around`)."""
-        qkv = normed(self.wqkv, x, norm)
+        it what the projection reads (`Block._around`). `fused` (`Block.fuses`): the norm,
+        the qkv product and RoPE in one operator where each row's angles line up with it (no
+        packing), and the output before `wo` ([..., Hq * D]), which the block's next operator
+        multiplies."""
+        out = _same if fused else self.wo
         if packed is None:
-            return self.wo(self._attend(qkv, rope, cache, plan))
+            roped = self._qkv_roped(x, norm, rope) if fused else None
+            if roped is not None:
+                return self._attend(roped, None, cache, plan)
+            return out(self._attend(normed(self.wqkv, x, norm), rope, cache, plan))
+        qkv = normed(self.wqkv, x, norm)
         if not isinstance(plan, list):
-            return self.wo(packed.pack(self._attend(packed.unpack(qkv), rope, cache, plan)))
+            return out(packed.pack(self._attend(packed.unpack(qkv), rope, cache, plan)))
         outs = [packed.pack_one(self._attend(packed.unpack(qkv, s), rope[s], cache, p), s) for s, p in enumerate(plan)]
-        return self.wo(torch.cat(outs))
+        return out(torch.cat(outs))
 
-    def flat(self, x: torch.Tensor, rope: tuple, attend, norm=None) -> torch.Tensor:
+    def flat(self, x: torch.Tensor, rope: tuple, attend, norm=None, fused: bool = False) -> torch.Tensor:
         """x [N, dim] of a flat token batch (`Transformer.flat_hidden`) -> [N, dim]: the
         projections, q/k norms and RoPE (cos, sin [N, 1, D]) per token, the attention
-        through `attend(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> [N, Hq, D]`."""
+        through `attend(layer, q [N, Hq, D], k, v [N, Hkv, D]) -> [N, Hq, D]`. `fused` as
+        `forward`'s: the output before `wo`."""
         N, D = x.shape[0], self.cfg.head_dim
-        q, k, v = normed(self.wqkv, x, norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        roped = self._qkv_roped(x, norm, rope) if fused else None
+        qkv = normed(self.wqkv, x, norm) if roped is None else roped
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(N, -1, D), k.view(N, -1, D), v.view(N, -1, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.wo(attend(self.layer, q, k, v).reshape(N, self.q_size))
+        if roped is None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        a = attend(self.layer, q, k, v).reshape(N, self.q_size)
+        return a if fused else self.wo(a)
 
-    def _attend(self, qkv: torch.Tensor, rope: tuple, cache, plan) -> torch.Tensor:
-        """qkv [B, T, q + 2 kv] -> attention output [B, T, Hq * D] (K/V stored by the cache)."""
+    def _qkv_roped(self, x: torch.Tensor, norm, rope: tuple) -> torch.Tensor | None:
+        """qkv of norm(x) with RoPE applied to q and k, by one operator (`decodelab::int4_qkv_rope`:
+        the same bits as the steps one by one), for x [..., dim] whose rows each have their own
+        angles in rope's cos, sin (one [D] row per row of x); None where they do not (a rope
+        broadcast over rows): the caller runs the steps."""
+        cos, sin = rope
+        D, rows = self.cfg.head_dim, x.numel() // x.shape[-1]
+        if cos.numel() != rows * D or sin.numel() != rows * D:
+            return None
+        w = self.wqkv
+        y = torch.ops.decodelab.int4_qkv_rope(  # (models/native.py: int4_qkv_rope)
+            x.reshape(rows, -1), norm.weight, norm.eps, float(norm.offset), w.codes, w.scales, w.shifts,
+            w.group_size, w.bias, cos.reshape(rows, D), sin.reshape(rows, D), self.q_size, self.kv_size, D)
+        return y.view(*x.shape[:-1], -1)
+
+    def _attend(self, qkv: torch.Tensor, rope: tuple | None, cache, plan) -> torch.Tensor:
+        """qkv [B, T, q + 2 kv] -> attention output [B, T, Hq * D] (K/V stored by the cache);
+        rope None: q and k already rotated (`_qkv_roped`)."""
         B, T, _ = qkv.shape
         D = self.cfg.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, T, -1, D).transpose(1, 2)  # [B, Hq, T, D]
         k = k.view(B, T, -1, D).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, -1, D).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if rope is not None:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return cache.attend(self.layer, q, k, v, plan).transpose(1, 2).reshape(B, T, self.q_size)  # [B, T, Hq * D]
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class MLP(nn.Module):
@@ -218,17 +252,49 @@ class Block(nn.Module):
         self.attn_post_norm = norm() if cfg.sandwich_norm else None
         self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
+    #: where `fuses` holds, run the block as two operators around its attention (False: the
+    #: steps one by one, the same bits; tests and A/B runs compare the two)
+    fuse = True
+
     def forward(self, x, rope, cache, plan, packed: Packed | None = None):
-        return self._around(x, lambda h, norm=None: self.attn(h, rope, cache, plan, packed, norm))
+        return self._around(x, lambda h, norm=None, fused=False: self.attn(h, rope, cache, plan, packed, norm, fused))
 
     def flat(self, x: torch.Tensor, rope: tuple, attend) -> torch.Tensor:
         """x [N, dim] of a flat token batch, attending through `attend` (`Attention.flat`)."""
-        return self._around(x, lambda h, norm=None: self.attn.flat(h, rope, attend, norm))
+        return self._around(x, lambda h, norm=None, fused=False: self.attn.flat(h, rope, attend, norm, fused))
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether this block runs as two operators around its attention for x [..., dim]: a
+        shared-kernels model's (`Transformer.share_kernels`) Llama-style block (pre-norms only,
+        no q/k norms, SiLU, no bias but qkv's) whose four projections are native int4 and take
+        x's rows through the kernel (`QuantProj.max_kernel_rows`, any in a compiled graph):
+        `decodelab::int4_qkv_rope` (the norm, the qkv product, RoPE) and
+        `decodelab::int4_block_out` (wo, the residual, the norm, gate_up, SiLU x up, down, the
+        residual), the same bits as the steps one by one with fewer operator calls, output
+        buffers and graph kernels per block (a compiled decode step's host time)."""
+        a, m = self.attn, self.mlp
+        projs = (a.wqkv, a.wo, m.w_gate_up, m.w_down)
+        if not (self.fuse and self.attn_norm.native and self.mlp_norm.native and self.attn_post_norm is None
+                and self.mlp_post_norm is None and a.q_norm is None and m.act is F.silu
+                and all(getattr(p, "kernel", None) == "native-int4" for p in projs)
+                and all(p.bias is None for p in projs[1:]) and a.cfg.head_dim % 2 == 0 and a.cfg.head_dim <= 512):
+            return False
+        rows = x.numel() // x.shape[-1]
+        return rows <= a.wqkv.max_kernel_rows or torch.compiler.is_compiling()
 
     def _around(self, x, attention):
         """The block around its attention: norms, residuals, the MLP. Each norm goes to the
         projection that reads it (`normed`: a shared-kernels model's int4 product computes both
-        in one operator, `QuantProj.forward`)."""
+        in one operator, `QuantProj.forward`); where `fuses` holds, two operators around the
+        attention do all of it."""
+        if self.fuses(x):
+            a = attention(x, norm=self.attn_norm, fused=True)  # [..., Hq * D], before wo
+            wo, gu, dn, n = self.attn.wo, self.mlp.w_gate_up, self.mlp.w_down, self.mlp_norm
+            y = torch.ops.decodelab.int4_block_out(  # (models/native.py: int4_block_out)
+                a.reshape(-1, a.shape[-1]), x.reshape(-1, x.shape[-1]), wo.codes, wo.scales, wo.shifts,
+                wo.group_size, n.weight, n.eps, float(n.offset), gu.codes, gu.scales, gu.shifts, gu.group_size,
+                dn.codes, dn.scales, dn.shifts, dn.group_size)
+            return y.view(x.shape)
         h = attention(x, norm=self.attn_norm)
         if self.attn_post_norm is not None:
             h = self.attn_post_norm(h)

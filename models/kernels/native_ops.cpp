@@ -177,6 +177,138 @@ at::Tensor int4_mm_normed(const at::Tensor& x, const at::Tensor& nib, const at::
     return int4_mm(xn, nib, scales, shifts, g);
 }
 
+// One int4 projection's tensors as an operator receives them (codes, scales, shifts), checked
+// against its input size k (0: any) and group size g; returns its output rows.
+struct Int4W {
+    const at::Tensor& nib;
+    const at::Tensor& sc;
+    const at::Tensor& sh;
+    const at::Tensor& operator[](int i) const { return i == 0 ? nib : i == 1 ? sc : sh; }
+};
+
+static int64_t int4_weight(const Int4W& w, int64_t k, int64_t g, const char* who) {
+    check_codes(w[0], at::kByte, 32);
+    TORCH_CHECK(k == 0 || w[0].size(1) * 2 == k, who, ": a weight of ", w[0].size(1) * 2, " inputs where ", k,
+                " come in");
+    check_groups(w[0], w[1], w[2], g);
+    TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[2].scalar_type() == at::kFloat && w[1].is_contiguous() &&
+                w[2].is_contiguous(), who, ": scales and shifts must be contiguous float32");
+    return w[0].size(0);
+}
+
+// y[M, N] = x[M, K] @ an int4 weight (int4_weight's tensors), into y
+static void int4_into(const float* x, int64_t M, int64_t K, const Int4W& w, int64_t g, float* y, const char* who) {
+    int rc = dl_int4_mm(x, M, K, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), w[2].data_ptr<float>(), g, y,
+                        w[0].size(0));
+    TORCH_CHECK(rc == 0, who, ": out of memory for the activation codes");
+}
+
+// A float32 buffer of n values that lives across calls on this thread (no allocation per call)
+static float* held(int slot, int64_t n) {
+    static thread_local std::vector<float> bufs[3];
+    if ((int64_t)bufs[slot].size() < n) bufs[slot].resize(n);
+    return bufs[slot].data();
+}
+
+// The half-rotation RoPE of one head's D channels in place: x * cos + rotate_half(x) * sin, each
+// product rounded and then the sum (models/transformer.py apply_rope's three operations, no fused
+// multiply-add: the same bits)
+__attribute__((optimize("fp-contract=off")))
+static void rope_head(float* x, const float* c, const float* s, int64_t D) {
+    int64_t h = D / 2;
+    float tmp[512];
+    for (int64_t d = 0; d < D; d++) tmp[d] = x[d];
+    for (int64_t d = 0; d < h; d++) {
+        float a = tmp[d] * c[d], b = (-tmp[d + h]) * s[d];
+        x[d] = a + b;
+    }
+    for (int64_t d = h; d < D; d++) {
+        float a = tmp[d] * c[d], b = tmp[d - h] * s[d];
+        x[d] = a + b;
+    }
+}
+
+// A Llama block's attention input in one operator: qkv = int4(rms_norm(x)) (+ bias), then the
+// half-rotation RoPE of the q and k heads at each row's cos, sin [M, D] (v as computed): the
+// same bits as those steps one by one (models/transformer.py Attention, `fused`).
+at::Tensor int4_qkv_rope(const at::Tensor& x, const at::Tensor& norm_w, double eps, double offset,
+                         const at::Tensor& nib, const at::Tensor& scales, const at::Tensor& shifts, int64_t g,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t q_size, int64_t kv_size, int64_t head_dim) {
+    const char* who = "decodelab int4_qkv_rope";
+    Int4W w{nib, scales, shifts};
+    int64_t N = int4_weight(w, 0, g, who), K = w[0].size(1) * 2;
+    auto xc = rows_f32(x, K), wc = norm_weight(norm_w, K, "decodelab int4_qkv_rope: the norm's ");
+    int64_t M = xc.size(0), D = head_dim;
+    TORCH_CHECK(D > 0 && D % 2 == 0 && D <= 512 && q_size % D == 0 && kv_size % D == 0 && q_size + 2 * kv_size == N,
+                who, ": q ", q_size, " + 2 x kv ", kv_size, " must be the weight's ", N, " outputs, in heads of an even ",
+                "head size <= 512, got ", D);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                cos.size(0) == M && cos.size(1) == D && sin.sizes() == cos.sizes(), who,
+                ": cos and sin must be float32 [", M, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+    at::Tensor b;
+    if (bias.has_value() && bias->defined()) {
+        b = f32(*bias);
+        TORCH_CHECK(b.numel() == N, who, ": bias must have ", N, " values");
+    }
+    auto y = at::empty({M, N}, xc.options());
+    if (M == 0) return y;
+    float* xn = held(0, M * K);
+    dl_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), M, K, (float)eps, (float)offset, xn);
+    float* yp = y.data_ptr<float>();
+    int4_into(xn, M, K, w, g, yp, who);
+    auto cc = cos.contiguous(), sc = sin.contiguous();
+    const float *cp = cc.data_ptr<float>(), *sp = sc.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    for (int64_t m = 0; m < M; m++) {
+        float* row = yp + m * N;
+        if (bp)
+            for (int64_t n = 0; n < N; n++) row[n] += bp[n];
+        for (int64_t h = 0; h < (q_size + kv_size) / D; h++) rope_head(row + h * D, cp + m * D, sp + m * D, D);
+    }
+    return y;
+}
+
+// A Llama block after its attention in one operator: x1 = x + int4_wo(attn), then
+// x1 + int4_down(silu(gate) * up) with [gate, up] = int4_gate_up(rms_norm(x1)): the same bits as
+// those steps one by one (the residual adds and the SiLU and product are ATen's own kernels)
+// (models/transformer.py Block, `fused`).
+at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at::Tensor& wo_nib,
+                          const at::Tensor& wo_scales, const at::Tensor& wo_shifts, int64_t wo_g,
+                          const at::Tensor& norm_w, double eps, double offset, const at::Tensor& gu_nib,
+                          const at::Tensor& gu_scales, const at::Tensor& gu_shifts, int64_t gu_g,
+                          const at::Tensor& down_nib, const at::Tensor& down_scales, const at::Tensor& down_shifts,
+                          int64_t down_g) {
+    const char* who = "decodelab int4_block_out";
+    Int4W wo{wo_nib, wo_scales, wo_shifts}, gate_up{gu_nib, gu_scales, gu_shifts}, down{down_nib, down_scales,
+                                                                                     down_shifts};
+    at::AutoDispatchBelowAutograd below;  // its ATen steps run as kernels (the operator has no autograd)
+    int64_t dim = int4_weight(wo, 0, wo_g, who), Q = wo[0].size(1) * 2;
+    int64_t I2 = int4_weight(gate_up, dim, gu_g, who), I = I2 / 2;
+    TORCH_CHECK(I2 % 2 == 0 && int4_weight(down, I, down_g, who) == dim, who, ": gate_up's outputs (", I2,
+                ") must be twice down's inputs and down's outputs wo's (", dim, ")");
+    auto ac = rows_f32(attn, Q), xc = rows_f32(x, dim);
+    auto wc = norm_weight(norm_w, dim, "decodelab int4_block_out: the norm's ");
+    int64_t M = ac.size(0);
+    TORCH_CHECK(xc.size(0) == M, who, ": attn and x must have the same rows, got ", M, " and ", xc.size(0));
+    auto y = at::empty({M, dim}, xc.options());
+    if (M == 0) return y;
+    auto o = xc.options();
+    float* h = held(0, M * dim);
+    int4_into(ac.data_ptr<float>(), M, Q, wo, wo_g, h, who);
+    at::Tensor ht = at::from_blob(h, {M, dim}, o);
+    at::add_out(y, xc, ht);  // x1, in y
+    float* xn = held(1, M * dim);
+    dl_rms_norm(y.data_ptr<float>(), wc.data_ptr<float>(), M, dim, (float)eps, (float)offset, xn);
+    float* gu = held(2, M * I2 + M * I);
+    int4_into(xn, M, dim, gate_up, gu_g, gu, who);
+    at::Tensor gut = at::from_blob(gu, {M, I2}, o), act = at::from_blob(gu + M * I2, {M, I}, o);
+    at::silu_out(act, gut.narrow(1, 0, I));
+    act.mul_(gut.narrow(1, I, I));
+    int4_into(act.data_ptr<float>(), M, I, down, down_g, h, who);
+    y.add_(ht);
+    return y;
+}
+
 static void check_out(const at::Tensor& out, int64_t o0, int64_t n, int64_t rows, int64_t k) {
     TORCH_CHECK(o0 >= 0 && n >= 0 && o0 + n <= rows, "decodelab native dequant: rows ", o0, "..", o0 + n,
                 " outside [0, ", rows, ")");
@@ -533,6 +665,11 @@ TORCH_LIBRARY(decodelab, m) {
     m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
     m.def("int4_mm_normed(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size, Tensor norm_w, float eps, float offset) -> Tensor");
     m.def("rope_cos_sin(Tensor inv_freq, Tensor positions) -> (Tensor, Tensor)");
+    m.def("int4_qkv_rope(Tensor x, Tensor norm_w, float eps, float offset, Tensor nib, Tensor scales, Tensor shifts, "
+          "int group_size, Tensor? bias, Tensor cos, Tensor sin, int q_size, int kv_size, int head_dim) -> Tensor");
+    m.def("int4_block_out(Tensor attn, Tensor x, Tensor wo_nib, Tensor wo_scales, Tensor wo_shifts, int wo_group, "
+          "Tensor norm_w, float eps, float offset, Tensor gate_up_nib, Tensor gate_up_scales, Tensor gate_up_shifts, "
+          "int gate_up_group, Tensor down_nib, Tensor down_scales, Tensor down_shifts, int down_group) -> Tensor");
     m.def("isa(int set=-1) -> int");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
@@ -571,6 +708,8 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("rms_norm", &rms_norm);
     m.impl("int4_mm_normed", &int4_mm_normed);
     m.impl("rope_cos_sin", &rope_cos_sin);
+    m.impl("int4_qkv_rope", &int4_qkv_rope);
+    m.impl("int4_block_out", &int4_block_out);
     m.impl("int4_mm", &int4_mm);
     m.impl("int8_dequant", &int8_dequant);
     m.impl("decode_attention", &decode_attention);

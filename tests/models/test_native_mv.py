@@ -274,3 +274,60 @@ def test_int4_mm_normed_is_the_product_of_the_norm(rows, offset):
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match=r"norm's weight must be float32 \[64\]"):
         ops.int4_mm_normed(x, q.codes, q.scales, q.shifts, q.group_size, w[:10], 1e-6, offset)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", [(1, 1), (2, 5)])
+def test_a_fused_int4_block_is_its_steps_to_the_bit(monkeypatch, tiny_models, family, rows):
+    """A shared-kernels int4 model's Llama-style blocks run as two operators around their
+    attention (`Block.fuses`: int4_qkv_rope, int4_block_out); their logits and the K/V they
+    store are those of the steps one by one (`Block.fuse = False`) to the bit, for a prefill
+    and the decode step after it (qwen2: a qkv bias)."""
+    from decodelab.models.transformer import Block
+    from tests.conftest import cache_for
+
+    model = WeightOptions("int4", kernel="native").apply(tiny_models[family].model)
+    B, T = rows
+    assert all(b.fuses(torch.zeros(B, T, model.cfg.dim)) for b in model.layers)
+    ids = torch.randint(0, model.cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(T))
+    pos = torch.arange(T).expand(B, T)
+    outs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(Block, "fuse", fuse)
+        cache = cache_for(model, B, 16)
+        with torch.profiler.profile() as prof:
+            first = model(ids, pos, cache)
+            step = model(first[:, -1:].argmax(-1), torch.full((B, 1), T), cache)
+        calls = [e.name for e in prof.events() if e.name.startswith("decodelab::int4")]
+        outs[fuse] = first, step, cache.k[0].clone(), cache.v[0].clone(), calls
+    for a, b in zip(outs[True][:4], outs[False][:4]):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    n = model.cfg.n_layers
+    assert sorted(set(outs[True][4])) == ["decodelab::int4_block_out", "decodelab::int4_qkv_rope"]
+    assert len(outs[True][4]) == 2 * 2 * n and "decodelab::int4_block_out" not in outs[False][4]
+
+
+def test_the_fused_int4_block_operators_check_their_inputs():
+    """int4_qkv_rope and int4_block_out pass torch's operator checks (their fakes give
+    inductor the right shapes) and refuse mismatched weights, norms and angles by name."""
+    ops = torch.ops.decodelab
+    g = torch.Generator().manual_seed(0)
+    qkv = QuantProj(torch.randn(64, 128), None, WeightOptions("int4", 32, kernel="native"))  # q 64, k/v 32
+    wo = QuantProj(torch.randn(64, 64), None, WeightOptions("int4", 32, kernel="native"))
+    gu = QuantProj(torch.randn(64, 256), None, WeightOptions("int4", 32, kernel="native"))
+    dn = QuantProj(torch.randn(128, 64), None, WeightOptions("int4", 32, kernel="native"))
+    t = lambda p: (p.codes, p.scales, p.shifts)  # noqa: E731
+    x, w = torch.randn(3, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    cos, sin = torch.rand(3, 16, generator=g), torch.rand(3, 16, generator=g)
+    args = (x, w, 1e-6, 0.0, *t(qkv), 32, None, cos, sin, 64, 32, 16)
+    torch.library.opcheck(ops.int4_qkv_rope.default, args, test_utils=("test_schema", "test_faketensor"))
+    out_args = (torch.randn(3, 64, generator=g), x, *t(wo), 32, w, 1e-6, 0.0, *t(gu), 32, *t(dn), 32)
+    torch.library.opcheck(ops.int4_block_out.default, out_args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match=r"q 64 \+ 2 x kv 16 must be the weight's 128 outputs"):
+        ops.int4_qkv_rope(*args[:11], 64, 16, 16)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[3, 16\]"):
+        ops.int4_qkv_rope(*args[:9], cos[:2], sin, 64, 32, 16)
+    with pytest.raises(RuntimeError, match="a weight of 64 inputs where 128 come in"):
+        ops.int4_block_out(*out_args[:13], *t(gu), 32)
+    with pytest.raises(RuntimeError, match=r"scales and shifts must hold \[64, 2\]"):
+        ops.int4_block_out(*out_args[:3], gu.scales, *out_args[4:])
