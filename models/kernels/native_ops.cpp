@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 #include <cstring>
@@ -196,8 +197,16 @@ static int64_t int4_weight(const Int4W& w, int64_t k, int64_t g, const char* who
     return w[0].size(0);
 }
 
-// y[M, N] = x[M, K] @ an int4 weight (int4_weight's tensors), into y
+// What a profiler records of a product inside a fused operator: x [M, K] and the codes, as the
+// inputs of a decodelab::int4_mm event (experiments/micro_weights.py `classify` reads their shapes)
+static std::vector<c10::IValue> product_inputs(const float* x, int64_t M, int64_t K, const at::Tensor& nib) {
+    return {at::from_blob(const_cast<float*>(x), {M, K}, at::TensorOptions().dtype(at::kFloat)), nib};
+}
+
+// y[M, N] = x[M, K] @ an int4 weight (int4_weight's tensors), into y; a profiler sees it as a
+// decodelab::int4_mm of its own
 static void int4_into(const float* x, int64_t M, int64_t K, const Int4W& w, int64_t g, float* y, const char* who) {
+    RECORD_FUNCTION("decodelab::int4_mm", product_inputs(x, M, K, w[0]));
     int rc = dl_int4_mm(x, M, K, w[0].data_ptr<uint8_t>(), w[1].data_ptr<float>(), w[2].data_ptr<float>(), g, y,
                         w[0].size(0));
     TORCH_CHECK(rc == 0, who, ": out of memory for the activation codes");
