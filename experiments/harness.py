@@ -82,7 +82,7 @@ def run_conditions(model=None) -> dict:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "cpu_wrapper": cpu_wrapper(),
+            "llc_MiB": round(last_level_cache_bytes() / 2**20, 1), "threads": torch.get_num_threads(), "cpu_wrapper": cpu_wrapper(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, **versions}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
@@ -138,10 +138,31 @@ class Timer:
         return sorted(self.seconds)[len(self.seconds) // 2]
 
 
-def read_bandwidth(device="cpu", mib: int = 256, repeats: int = 7) -> list[float]:
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (Linux sysfs, cpu0's caches; 0 where it
+    reports none): a machine whose last-level cache holds a model's weights serves them from
+    there, not from memory (run conditions, `llc_MiB`)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        sizes += [int(digits) * unit] if digits.isdigit() else []
+    return max(sizes, default=0)
+
+
+def read_bandwidth(device="cpu", mib: int | None = None, repeats: int = 7) -> list[float]:
     """The machine's memory read bandwidth as this run sees it (its threads, its device): a
-    streaming read of a `mib` MiB fp32 tensor (`x.sum()`, far larger than any cache), GB/s
-    per timed read, `repeats` of them after one untimed; the denominator of a roofline."""
+    streaming read of a `mib` MiB fp32 tensor (`x.sum()`), GB/s per timed read, `repeats` of
+    them after one untimed; the denominator of a roofline. By default 256 MiB, or on a CPU
+    twice its last-level cache where that is larger (a Xeon's 300 MiB L3 would otherwise
+    serve much of the read), so that it reads memory, not a cache."""
+    if mib is None:
+        llc = last_level_cache_bytes() if torch.device(device).type == "cpu" else 0
+        mib = max(256, -(-2 * llc // 2**20))
     x = torch.ones(mib * 2**18, device=device)  # mib MiB of fp32
     x.sum()
     timer = Timer(device)
