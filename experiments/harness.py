@@ -82,7 +82,8 @@ def run_conditions(model=None) -> dict:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     cond = {"git": git_rev(), "python": platform.python_version(), "cpu": cpu_name(),
-            "llc_MiB": round(last_level_cache_bytes() / 2**20, 1), "threads": torch.get_num_threads(), "cpu_wrapper": cpu_wrapper(),
+            "llc_MiB": round(last_level_cache_bytes() / 2**20, 1),
+            "threads": torch.get_num_threads(), "cpu_wrapper": cpu_wrapper(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, **versions}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

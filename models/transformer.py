@@ -267,7 +267,8 @@ class Block(nn.Module):
         """Whether this block runs as two operators around its attention for x [..., dim]: a
         shared-kernels model's (`Transformer.share_kernels`) Llama-style block (pre-norms only,
         no q/k norms, SiLU, no bias but qkv's) whose four projections are native int4 and take
-        x's rows through the kernel (`QuantProj.max_kernel_rows`, any in a compiled graph):
+        x's rows through the kernel (`QuantProj.max_kernel_rows`, any in a compiled graph), where
+        no gradient is asked for:
         `decodelab::int4_qkv_rope` (the norm, the qkv product, RoPE) and
         `decodelab::int4_block_out` (wo, the residual, the norm, gate_up, SiLU x up, down, the
         residual), the same bits as the steps one by one with fewer operator calls, output
@@ -278,6 +279,8 @@ class Block(nn.Module):
                 and self.mlp_post_norm is None and a.q_norm is None and m.act is F.silu
                 and all(getattr(p, "kernel", None) == "native-int4" for p in projs)
                 and all(p.bias is None for p in projs[1:]) and a.cfg.head_dim % 2 == 0 and a.cfg.head_dim <= 512):
+            return False
+        if torch.is_grad_enabled() and x.requires_grad:  # the operators have no autograd: the steps keep it
             return False
         rows = x.numel() // x.shape[-1]
         return rows <= a.wqkv.max_kernel_rows or torch.compiler.is_compiling()

@@ -212,9 +212,17 @@ static void int4_into(const float* x, int64_t M, int64_t K, const Int4W& w, int6
     TORCH_CHECK(rc == 0, who, ": out of memory for the activation codes");
 }
 
-// A float32 buffer of n values that lives across calls on this thread (no allocation per call)
-static float* held(int slot, int64_t n) {
+// A float32 buffer of n values: up to HELD values one that lives across calls on this thread (no
+// allocation per call: a decode step's rows), past that `keep`, a tensor of the call's own (a
+// prefill-sized product does not leave its buffers behind)
+static constexpr int64_t HELD = 1 << 18;
+
+static float* held(int slot, int64_t n, at::Tensor& keep) {
     static thread_local std::vector<float> bufs[3];
+    if (n > HELD) {
+        keep = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+        return keep.data_ptr<float>();
+    }
     if ((int64_t)bufs[slot].size() < n) bufs[slot].resize(n);
     return bufs[slot].data();
 }
@@ -249,9 +257,9 @@ at::Tensor int4_qkv_rope(const at::Tensor& x, const at::Tensor& norm_w, double e
     int64_t N = int4_weight(w, 0, g, who), K = w[0].size(1) * 2;
     auto xc = rows_f32(x, K), wc = norm_weight(norm_w, K, "decodelab int4_qkv_rope: the norm's ");
     int64_t M = xc.size(0), D = head_dim;
-    TORCH_CHECK(D > 0 && D % 2 == 0 && D <= 512 && q_size % D == 0 && kv_size % D == 0 && q_size + 2 * kv_size == N,
-                who, ": q ", q_size, " + 2 x kv ", kv_size, " must be the weight's ", N, " outputs, in heads of an even ",
-                "head size <= 512, got ", D);
+    TORCH_CHECK(D > 0 && D % 2 == 0 && D <= 512 && q_size > 0 && kv_size > 0 && q_size % D == 0 && kv_size % D == 0 && q_size + 2 * kv_size == N,
+                who, ": q ", q_size, " + 2 x kv ", kv_size, " (both > 0) must be the weight's ", N, " outputs, in heads of an ",
+                "even head size <= 512, got ", D);
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
                 cos.size(0) == M && cos.size(1) == D && sin.sizes() == cos.sizes(), who,
                 ": cos and sin must be float32 [", M, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
@@ -262,7 +270,8 @@ at::Tensor int4_qkv_rope(const at::Tensor& x, const at::Tensor& norm_w, double e
     }
     auto y = at::empty({M, N}, xc.options());
     if (M == 0) return y;
-    float* xn = held(0, M * K);
+    at::Tensor keep;
+    float* xn = held(0, M * K, keep);
     dl_rms_norm(xc.data_ptr<float>(), wc.data_ptr<float>(), M, K, (float)eps, (float)offset, xn);
     float* yp = y.data_ptr<float>();
     int4_into(xn, M, K, w, g, yp, who);
@@ -302,13 +311,14 @@ at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at:
     auto y = at::empty({M, dim}, xc.options());
     if (M == 0) return y;
     auto o = xc.options();
-    float* h = held(0, M * dim);
+    at::Tensor keep[3];
+    float* h = held(0, M * dim, keep[0]);
     int4_into(ac.data_ptr<float>(), M, Q, wo, wo_g, h, who);
     at::Tensor ht = at::from_blob(h, {M, dim}, o);
     at::add_out(y, xc, ht);  // x1, in y
-    float* xn = held(1, M * dim);
+    float* xn = held(1, M * dim, keep[1]);
     dl_rms_norm(y.data_ptr<float>(), wc.data_ptr<float>(), M, dim, (float)eps, (float)offset, xn);
-    float* gu = held(2, M * I2 + M * I);
+    float* gu = held(2, M * I2 + M * I, keep[2]);
     int4_into(xn, M, dim, gate_up, gu_g, gu, who);
     at::Tensor gut = at::from_blob(gu, {M, I2}, o), act = at::from_blob(gu + M * I2, {M, I}, o);
     at::silu_out(act, gut.narrow(1, 0, I));

@@ -543,3 +543,25 @@ def test_kv_quality_at_long_context_forces_the_text_after_concatenated_conversat
 def micro_cfg():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name="micro", overrides=TINY)
+
+
+def test_the_bandwidth_read_outgrows_the_last_level_cache(monkeypatch, tmp_path):
+    """read_bandwidth reads 256 MiB, or twice the largest cache sysfs reports where that is more
+    (a 300 MiB L3 would serve a 256 MiB read); run conditions record that cache."""
+    import torch
+
+    from decodelab.experiments import harness
+
+    sizes = []
+    monkeypatch.setattr(torch, "ones", lambda n, device=None: sizes.append(n * 4 / 2**20) or torch.zeros(8))
+    for llc, want in ((0, 256), (32 << 20, 256), (300 << 20, 600), ((300 << 20) + 1, 601)):
+        monkeypatch.setattr(harness, "last_level_cache_bytes", lambda llc=llc: llc)
+        assert len(harness.read_bandwidth(repeats=2)) == 2 and sizes[-1] == want
+    assert harness.run_conditions()["llc_MiB"] == round(((300 << 20) + 1) / 2**20, 1)
+    cache = tmp_path / "cache"  # the parser, on a sysfs of our own
+    for i, size in enumerate(["32K", "1024K", "300M", "x"]):
+        (cache / f"index{i}").mkdir(parents=True)
+        (cache / f"index{i}" / "size").write_text(size + "\n")
+    monkeypatch.undo()
+    monkeypatch.setattr(harness, "Path", lambda p: cache if "cache" in str(p) else Path(p))
+    assert harness.last_level_cache_bytes() == 300 << 20

@@ -5,6 +5,7 @@ the many-row kernel's row) wherever the CPU has both."""
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 
@@ -295,16 +296,19 @@ def test_a_fused_int4_block_is_its_steps_to_the_bit(monkeypatch, tiny_models, fa
     for fuse in (True, False):
         monkeypatch.setattr(Block, "fuse", fuse)
         cache = cache_for(model, B, 16)
-        with torch.profiler.profile() as prof:
+        with torch.no_grad(), torch.profiler.profile() as prof:
             first = model(ids, pos, cache)
             step = model(first[:, -1:].argmax(-1), torch.full((B, 1), T), cache)
-        calls = [e.name for e in prof.events() if e.name.startswith("decodelab::int4")]
+        calls = collections.Counter(e.name for e in prof.events() if e.name.startswith("decodelab::int4"))
         outs[fuse] = first, step, cache.k[0].clone(), cache.v[0].clone(), calls
     for a, b in zip(outs[True][:4], outs[False][:4]):
         assert torch.equal(a, b), (a - b).abs().max().item()
-    n = model.cfg.n_layers
-    assert sorted(set(outs[True][4])) == ["decodelab::int4_block_out", "decodelab::int4_qkv_rope"]
-    assert len(outs[True][4]) == 2 * 2 * n and "decodelab::int4_block_out" not in outs[False][4]
+    n = model.cfg.n_layers  # 2 forwards: per block the two operators, and their 4 products as int4_mm events
+    assert outs[True][4] == {"decodelab::int4_qkv_rope": 2 * n, "decodelab::int4_block_out": 2 * n,
+                             "decodelab::int4_mm": 2 * 4 * n}
+    assert outs[False][4] == {"decodelab::int4_mm_normed": 2 * 2 * n, "decodelab::int4_mm": 2 * 2 * n}
+    with torch.enable_grad():  # the operators have no autograd: a forward that wants gradients takes the steps
+        assert not model.layers[0].fuses(torch.zeros(B, T, model.cfg.dim, requires_grad=True))
 
 
 def test_the_fused_int4_block_operators_check_their_inputs():
@@ -323,11 +327,72 @@ def test_the_fused_int4_block_operators_check_their_inputs():
     torch.library.opcheck(ops.int4_qkv_rope.default, args, test_utils=("test_schema", "test_faketensor"))
     out_args = (torch.randn(3, 64, generator=g), x, *t(wo), 32, w, 1e-6, 0.0, *t(gu), 32, *t(dn), 32)
     torch.library.opcheck(ops.int4_block_out.default, out_args, test_utils=("test_schema", "test_faketensor"))
-    with pytest.raises(RuntimeError, match=r"q 64 \+ 2 x kv 16 must be the weight's 128 outputs"):
+    with pytest.raises(RuntimeError, match=r"q 64 \+ 2 x kv 16 \(both > 0\) must be the weight's 128 outputs"):
         ops.int4_qkv_rope(*args[:11], 64, 16, 16)
+    with pytest.raises(RuntimeError, match=r"q 160 \+ 2 x kv -16 \(both > 0\)"):
+        ops.int4_qkv_rope(*args[:11], 160, -16, 16)
     with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[3, 16\]"):
         ops.int4_qkv_rope(*args[:9], cos[:2], sin, 64, 32, 16)
     with pytest.raises(RuntimeError, match="a weight of 64 inputs where 128 come in"):
         ops.int4_block_out(*out_args[:13], *t(gu), 32)
     with pytest.raises(RuntimeError, match=r"scales and shifts must hold \[64, 2\]"):
         ops.int4_block_out(*out_args[:3], gu.scales, *out_args[4:])
+
+
+@pytest.mark.parametrize("backend", ["dense", "paged", "sliding", "int4"])
+def test_fused_int4_blocks_sample_as_their_steps_on_every_cache(monkeypatch, tiny_models, backend):
+    """Through `generate`, eager and compiled (dynamo's eager backend: the same graph, the
+    operators run for real), on every cache: prompts of two lengths (a padded, packed prefill:
+    `int4_block_out` on the valid rows, the qkv product and RoPE one by one), then seeded
+    temperature sampling, which any logit bit moves; the fused and unfused models give the
+    same tokens."""
+    from functools import partial
+
+    import decodelab.decoding.runner as runner
+    from decodelab.cache.int4 import QuantizedCache
+    from decodelab.cache.paged import PagedCache
+    from decodelab.cache.sliding import SlidingCache
+    from decodelab.decoding import SamplingDecoder, generate
+    from decodelab.models.transformer import Block
+    from tests.conftest import cache_for, random_ids
+
+    monkeypatch.setattr(runner, "BACKEND", "eager")
+    factory = {"dense": None, "paged": partial(PagedCache, block_size=4),
+               "sliding": partial(SlidingCache, window=6, sinks=2, rollback=3),
+               "int4": partial(QuantizedCache, group_size=32, residual=4)}[backend]
+    model = WeightOptions("int4", kernel="native").apply(tiny_models["llama"].model)
+    prompts = [random_ids(11, seed=1), random_ids(5, seed=2)]
+    for compile in (False, True):
+        got = {}
+        for fuse in (True, False):
+            monkeypatch.setattr(Block, "fuse", fuse)
+            cache = cache_for(model, 2, 40) if factory is None else cache_for(model, 2, 40, factory)
+            with torch.profiler.profile() as prof:
+                got[fuse] = generate(model, cache, SamplingDecoder(temperature=0.8, top_k=20, seed=3), prompts, 12,
+                                     compile=compile).tokens
+            fused = sum(e.name == "decodelab::int4_block_out" for e in prof.events())
+            assert (fused > 0) == fuse  # (generate runs without gradients: the blocks fuse)
+        assert got[True] == got[False], (backend, compile)
+
+
+def test_fused_int4_blocks_take_a_flat_batch_as_their_steps(monkeypatch, tiny_models):
+    """`Transformer.flat_hidden` (the runner's flat token batches: RoPE angles [N, 1, D]) gives
+    the same bits fused and unfused, with an attention that reads q, k and v elementwise (so
+    any bit of the rotated q, k or of v would show)."""
+    from decodelab.models.transformer import Block
+
+    model = WeightOptions("int4", kernel="native").apply(tiny_models["llama"].model)
+    ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(4))
+    pos = torch.tensor([0, 1, 2, 9, 10, 3, 4])
+
+    def attend(layer, q, k, v):  # [N, Hq, D], [N, Hkv, D] x 2
+        g = q.shape[1] // k.shape[1]
+        return q * 0.5 + k.repeat_interleave(g, 1) * v.repeat_interleave(g, 1)
+
+    assert model.layers[0].fuses(torch.zeros(7, model.cfg.dim))
+    out = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(Block, "fuse", fuse)
+        with torch.no_grad():
+            out[fuse] = model.flat_hidden(ids, pos, attend)
+    assert torch.equal(out[True], out[False])
