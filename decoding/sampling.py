@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decodelab.models import native
 from decodelab.models.errors import shown
 
 
@@ -47,7 +48,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     Temperature 0 gives the one-hot distribution of the argmax."""
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(native.argmax(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -77,5 +78,5 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
     """Next token ids [B] from logits [B, V]; greedy takes the argmax without sampling."""
     if params.greedy:
-        return logits.argmax(-1)
+        return native.argmax(logits)
     return sample(logits_to_probs(logits, params), generator)

@@ -16,6 +16,7 @@ import torch
 from decodelab.decoding.generate import sync
 from decodelab.decoding.sampling import SamplingParams, logits_to_probs
 from decodelab.decoding.decoders import not_begun, runner_problems
+from decodelab.models import native
 from decodelab.models.errors import raise_if
 
 
@@ -318,7 +319,7 @@ class SpeculativeDecoder:
         sync(dev)
         t2 = time.perf_counter()
         if self.params.greedy:  # one-hot p and q: sum_x min(p, q) is 1 iff the draft is the argmax
-            best = logits.argmax(-1)  # [B, G + 1]
+            best = native.argmax(logits)  # [B, G + 1]
             n, nxt = greedy_accept(best, draft)
             alpha = (draft == best[:, :G]).float()
         else:

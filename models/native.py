@@ -177,6 +177,7 @@ def _build() -> None:
             lambda x, nib, scales, shifts, group_size, norm_w, eps, offset:
             x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::rope_cos_sin")(_rope_cos_sin_fake)
+        torch.library.register_fake("decodelab::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
         torch.library.register_fake("decodelab::int4_qkv_rope")(
             lambda x, norm_w, eps, offset, nib, *rest: x.new_empty(x.shape[0], nib.shape[0], dtype=torch.float32))
         torch.library.register_fake("decodelab::int4_block_out")(
@@ -218,6 +219,17 @@ def note_fallback(what: str) -> None:
         _noted.add(what)
         print(f"decodelab: {what} run on torch's kernels, not decodelab's native ones: {problem()}",
               file=sys.stderr, flush=True)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1), the same indices (the first of equal maxima; a row with a NaN as torch
+    answers it), by a vectorized kernel where x is float32 on the CPU and the kernels are already
+    loaded (a greedy step's [B, V] logits: 49152 of them in 82 us through torch on a Xeon, 2
+    threads, against a few us; experiments/README.md); elsewhere torch's own. Never builds the
+    kernels."""
+    if _library is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0:
+        return x.argmax(-1)
+    return torch.ops.decodelab.argmax(x)
 
 
 def library() -> Path | None:

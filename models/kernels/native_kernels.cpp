@@ -1410,6 +1410,35 @@ void dl_rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float 
     }
 }
 
+/* The index of the first largest of x[0 .. n) (torch.argmax's answer: the first of equal
+   maxima, -0 equal to +0), or -1 where x holds a NaN (torch's NaN rule: the caller asks
+   torch). A max over 8 lanes, then the first lane equal to it; n >= 1. */
+int64_t dl_argmax(const float* x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(m, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return -1;
+    float l[8], mx = -INFINITY;
+    _mm256_storeu_ps(l, m);
+    for (int j = 0; j < 8; j++) mx = l[j] > mx ? l[j] : mx;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return -1;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    __m256 want = _mm256_set1_ps(mx);
+    for (i = 0; i + 8 <= n; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), want, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == mx) return i;
+    return 0;  /* (unreached: mx is one of x) */
+}
+
 /* out[n, K] (fp32) = rows o0 .. o0 + n of the int8 weight */
 void dl_int8_dequant(const int8_t* w, const float* scale, int64_t K, int64_t o0, int64_t n, float* out) {
     #pragma omp parallel for schedule(static)

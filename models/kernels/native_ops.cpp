@@ -24,6 +24,7 @@ int dl_isa(int);
 int dl_int4_mm(const float*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t, float*, int64_t);
 void dl_int8_dequant(const int8_t*, const float*, int64_t, int64_t, int64_t, float*);
 void dl_rms_norm(const float*, const float*, int64_t, int64_t, float, float, float*);
+int64_t dl_argmax(const float*, int64_t);
 int dl_decode_attn(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                    int64_t, int64_t, float, int64_t, float*, const int64_t*, int64_t, int64_t, int64_t, int,
                    const float*, const float*);
@@ -326,6 +327,24 @@ at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at:
     int4_into(act.data_ptr<float>(), M, I, down, down_g, h, who);
     y.add_(ht);
     return y;
+}
+
+// torch.argmax(x, -1) of a float32 CPU tensor (a greedy step's logits [B, V]): each row's first
+// largest value's index, int64 [...]; a row holding a NaN is torch's own argmax of it (its rule)
+at::Tensor argmax(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "decodelab argmax: x must be a float32 CPU tensor with a non-empty last dimension, got ",
+                x.scalar_type(), " ", x.sizes(), " on ", x.device());
+    auto xc = x.contiguous();
+    int64_t n = xc.size(-1), rows = xc.numel() / n;
+    auto out = at::empty(xc.sizes().slice(0, xc.dim() - 1), xc.options().dtype(at::kLong));
+    const float* p = xc.data_ptr<float>();
+    int64_t* o = out.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = dl_argmax(p + r * n, n);
+        o[r] = i >= 0 ? i : xc.view({rows, n})[r].argmax().item<int64_t>();
+    }
+    return out;
 }
 
 static void check_out(const at::Tensor& out, int64_t o0, int64_t n, int64_t rows, int64_t k) {
@@ -690,6 +709,7 @@ TORCH_LIBRARY(decodelab, m) {
           "Tensor norm_w, float eps, float offset, Tensor gate_up_nib, Tensor gate_up_scales, Tensor gate_up_shifts, "
           "int gate_up_group, Tensor down_nib, Tensor down_scales, Tensor down_shifts, int down_group) -> Tensor");
     m.def("isa(int set=-1) -> int");
+    m.def("argmax(Tensor x) -> Tensor");
     m.def("int4_mm(Tensor x, Tensor nib, Tensor scales, Tensor shifts, int group_size) -> Tensor");
     m.def("int8_dequant(Tensor codes, Tensor scales, int o0, int n, Tensor(a!) out) -> ()");
     m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor pos, float scale, int window, "
@@ -730,6 +750,7 @@ TORCH_LIBRARY_IMPL(decodelab, CPU, m) {
     m.impl("int4_qkv_rope", &int4_qkv_rope);
     m.impl("int4_block_out", &int4_block_out);
     m.impl("int4_mm", &int4_mm);
+    m.impl("argmax", &argmax);
     m.impl("int8_dequant", &int8_dequant);
     m.impl("decode_attention", &decode_attention);
     m.impl("paged_decode_attention", &paged_decode_attention);

@@ -396,3 +396,26 @@ def test_fused_int4_blocks_take_a_flat_batch_as_their_steps(monkeypatch, tiny_mo
         with torch.no_grad():
             out[fuse] = model.flat_hidden(ids, pos, attend)
     assert torch.equal(out[True], out[False])
+
+
+def test_the_native_argmax_is_torchs():
+    """native.argmax (greedy decoding's, where the kernels are loaded) gives torch.argmax(x, -1):
+    random rows of several lengths (tails past the 8 lanes), ties (the first), -0 beside +0,
+    all -inf, NaN rows (torch's answer), and torch's own for what the kernel does not take;
+    the operator passes opcheck."""
+    native.problem()  # loaded
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(*s, generator=g) for s in [(1, 49152), (3, 37), (2, 5, 8), (1, 1), (4, 9), (7,)]]
+    tie = torch.zeros(2, 30)
+    tie[0, 3] = tie[0, 20] = 1.0
+    tie[1, 5], tie[1, 2] = 0.0, -0.0
+    nan = torch.randn(3, 50, generator=g)
+    nan[0, 10] = nan[2, 49] = float("nan")
+    cases += [tie, torch.full((2, 20), -float("inf")), nan, torch.randn(2, 9, dtype=torch.float64)]
+    for x in cases:
+        got = native.argmax(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(-1)), x.shape
+    assert native.argmax(tie).tolist() == [3, 0]
+    torch.library.opcheck(torch.ops.decodelab.argmax.default, (cases[1],), test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="float32 CPU tensor with a non-empty last dimension"):
+        torch.ops.decodelab.argmax(torch.zeros(2, 0))
