@@ -416,6 +416,7 @@ def test_the_native_argmax_is_torchs():
         got = native.argmax(x)
         assert got.dtype == torch.long and torch.equal(got, x.argmax(-1)), x.shape
     assert native.argmax(tie).tolist() == [3, 0]
-    torch.library.opcheck(torch.ops.decodelab.argmax.default, (cases[1],), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.decodelab.argmax.default, (cases[1],),
+                          test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match="float32 CPU tensor with a non-empty last dimension"):
         torch.ops.decodelab.argmax(torch.zeros(2, 0))
