@@ -51,6 +51,8 @@ norm, the qkv product, its bias, RoPE on q and k) and `int4_block_out` (wo, the 
 the norm, gate_up, ATen's SiLU and product, down, the residual add), each the same arithmetic as
 its steps one by one, so the same bits, in two operator calls where the steps make about twenty
 (an eager int4 decode step of SmolLM2 1.22x faster; a compiled one unchanged: experiments/README.md).
+`argmax` is torch.argmax over the last dimension (the same indices; a row with a NaN answered by
+torch), vectorized, for greedy decoding's logits (decoding/sampling.py).
 A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound
 stores per step plan and runs `int4_store_attend` (write the new K/V, then attend) on them.
 The one-row kernels fetch the weight rows 16 rows ahead of the ones they compute
