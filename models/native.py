@@ -50,7 +50,7 @@ operators around their attention (models/transformer.py `Block.fuses`): `int4_qk
 norm, the qkv product, its bias, RoPE on q and k) and `int4_block_out` (wo, the residual add,
 the norm, gate_up, ATen's SiLU and product, down, the residual add), each the same arithmetic as
 its steps one by one, so the same bits, in two operator calls where the steps make about twenty
-(an eager int4 decode step of SmolLM2 1.22x faster; a compiled one unchanged: experiments/README.md).
+(what that buys: experiments/README.md, "Batch-1 decode at the memory roofline").
 `argmax` is torch.argmax over the last dimension (the same indices; a row with a NaN answered by
 torch), vectorized, for greedy decoding's logits (decoding/sampling.py).
 A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound
@@ -226,9 +226,8 @@ def note_fallback(what: str) -> None:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1), the same indices (the first of equal maxima; a row with a NaN as torch
     answers it), by a vectorized kernel where x is float32 on the CPU and the kernels are already
-    loaded (a greedy step's [B, V] logits: 49152 of them in 82 us through torch on a Xeon, 2
-    threads, against a few us; experiments/README.md); elsewhere torch's own. Never builds the
-    kernels."""
+    loaded (a greedy step's [B, V] logits; torch's is a scalar loop: experiments/README.md);
+    elsewhere torch's own. Never builds the kernels."""
     if _library is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0:
         return x.argmax(-1)
     return torch.ops.decodelab.argmax(x)

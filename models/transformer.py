@@ -272,8 +272,8 @@ class Block(nn.Module):
         `decodelab::int4_qkv_rope` (the norm, the qkv product, RoPE) and
         `decodelab::int4_block_out` (wo, the residual, the norm, gate_up, SiLU x up, down, the
         residual), the same bits as the steps one by one with fewer operator calls and output
-        buffers per block (eager int4 decode steps 1.15-1.20x faster; a compiled step's time
-        unchanged: experiments/README.md, "Batch-1 decode at the memory roofline")."""
+        buffers per block (what that buys: experiments/README.md, "Batch-1 decode at the memory
+        roofline")."""
         a, m = self.attn, self.mlp
         projs = (a.wqkv, a.wo, m.w_gate_up, m.w_down)
         if not (self.fuse and self.attn_norm.native and self.mlp_norm.native and self.attn_post_norm is None
