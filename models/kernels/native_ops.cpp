@@ -287,9 +287,20 @@ at::Tensor int4_qkv_rope(const at::Tensor& x, const at::Tensor& norm_w, double e
     return y;
 }
 
+// out = a + b and out = a * b over n floats: one rounding each, as ATen's add (alpha 1) and mul
+// give them, without an ATen call's overhead per step (int4_block_out's residual adds and SiLU x up)
+static void add_rows(const float* a, const float* b, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+static void mul_rows(const float* a, const float* b, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+}
+
 // A Llama block after its attention in one operator: x1 = x + int4_wo(attn), then
 // x1 + int4_down(silu(gate) * up) with [gate, up] = int4_gate_up(rms_norm(x1)): the same bits as
-// those steps one by one (the residual adds and the SiLU and product are ATen's own kernels)
+// those steps one by one (the SiLU is ATen's own kernel; the residual adds and the product round once
+// each, as ATen's do)
 // (models/transformer.py Block, `fused`).
 at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at::Tensor& wo_nib,
                           const at::Tensor& wo_scales, const at::Tensor& wo_shifts, int64_t wo_g,
@@ -315,17 +326,18 @@ at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at:
     at::Tensor keep[3];
     float* h = held(0, M * dim, keep[0]);
     int4_into(ac.data_ptr<float>(), M, Q, wo, wo_g, h, who);
-    at::Tensor ht = at::from_blob(h, {M, dim}, o);
-    at::add_out(y, xc, ht);  // x1, in y
+    float* yp = y.data_ptr<float>();
+    add_rows(xc.data_ptr<float>(), h, yp, M * dim);  // x1, in y
     float* xn = held(1, M * dim, keep[1]);
-    dl_rms_norm(y.data_ptr<float>(), wc.data_ptr<float>(), M, dim, (float)eps, (float)offset, xn);
+    dl_rms_norm(yp, wc.data_ptr<float>(), M, dim, (float)eps, (float)offset, xn);
     float* gu = held(2, M * I2 + M * I, keep[2]);
     int4_into(xn, M, dim, gate_up, gu_g, gu, who);
     at::Tensor gut = at::from_blob(gu, {M, I2}, o), act = at::from_blob(gu + M * I2, {M, I}, o);
-    at::silu_out(act, gut.narrow(1, 0, I));
-    act.mul_(gut.narrow(1, I, I));
-    int4_into(act.data_ptr<float>(), M, I, down, down_g, h, who);
-    y.add_(ht);
+    at::silu_out(act, gut.narrow(1, 0, I));  // ATen's SiLU: its exp, its bits
+    float* ap = act.data_ptr<float>();
+    for (int64_t m = 0; m < M; m++) mul_rows(ap + m * I, gu + m * I2 + I, ap + m * I, I);
+    int4_into(ap, M, I, down, down_g, h, who);
+    add_rows(yp, h, yp, M * dim);
     return y;
 }
 
