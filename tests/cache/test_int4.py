@@ -224,7 +224,8 @@ SCHEDULES = {"one pass": [(100, 100)], "token by token": [(1, 1)], "chunks of 7"
              "speculative": [(6, 2), (6, 1), (4, 4), (6, 6), (2, 1), (6, 3), (1, 1), (6, 5)]}
 
 
-@pytest.mark.parametrize("attention_chunk", [256, 13])  # 13: long forwards attend in query chunks
+# 13: long forwards attend in query chunks (10 s with token keys in the default run on a 2-core Zen 3, session 53)
+@pytest.mark.parametrize("attention_chunk", [256, pytest.param(13, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("key_axis", ["channel", "token"])
 def test_visible_version_depends_only_on_positions(key_axis, attention_chunk):
     """However the positions are split into forwards (one pass, single tokens, chunks,
@@ -282,7 +283,8 @@ def test_long_forward_attends_in_query_chunks():
     assert slots[1] < 0.7 * slots[0]  # 70 x (64 + 70) scores in one mask; per chunk only what it needs
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_gemma"])
+# tiny_gemma: 11 s in the default run on a 2-core Zen 3 (session 53)
+@pytest.mark.parametrize("name", ["tiny_llama", pytest.param("tiny_gemma", marks=pytest.mark.slow)])
 def test_prefill_equals_token_by_token_on_the_tiny_models(name, request):
     """A one-pass prefill that quantizes as it goes (attending at once or in 16-query
     chunks), 16-token forwards and single tokens give the same logits at every position
