@@ -48,9 +48,9 @@ models/transformer.py `share_kernels`).
 A shared-kernels model's Llama-style blocks whose four projections are native int4 run as two
 operators around their attention (models/transformer.py `Block.fuses`): `int4_qkv_rope` (the
 norm, the qkv product, its bias, RoPE on q and k) and `int4_block_out` (wo, the residual add,
-the norm, gate_up, ATen's SiLU and product, down, the residual add), each the same arithmetic as
-its steps one by one, so the same bits, in two operator calls where the steps make about twenty
-(what that buys: experiments/README.md, "Batch-1 decode at the memory roofline").
+the norm, gate_up, the SiLU (ATen's arithmetic and exp) and product, down, the residual add),
+each the same arithmetic as its steps one by one, so the same bits, in two operator calls where
+the steps make about twenty (what that buys: experiments/README.md, "Batch-1 decode at the memory roofline").
 `argmax` is torch.argmax over the last dimension (the same indices; a row with a NaN answered by
 torch), vectorized, for greedy decoding's logits (decoding/sampling.py).
 A compiled step's int4 layers call `int4_host_attend`, which holds each layer's bound

@@ -5,8 +5,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <ATen/Version.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstring>
@@ -297,10 +299,32 @@ static void mul_rows(const float* a, const float* b, float* out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
 }
 
+// ATen's own exp of 8 floats on AVX2 (libtorch_cpu's Sleef, which its AVX2 kernels call)
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);
+
+// Whether `silu_rows` gives ATen's SiLU bits: where ATen runs its AVX2 kernels (an AVX-512
+// machine runs its AVX-512 ones) on rows of a multiple of 16 floats (no scalar tail: ATen's
+// vectorized loop takes 16 at a time). Checked on all 2^32 floats against torch's silu
+// (experiments/results/roofline-s53/silu/).
+static bool silu_rows_match_aten(int64_t n) {
+    static const bool avx2 = at::get_cpu_capability() == "AVX2";
+    return avx2 && n % 16 == 0;
+}
+
+// out = x / (1 + exp(-x)) over n floats (n % 16 == 0): ATen's vectorized SiLU on AVX2, its
+// operations in its order, without an ATen call's set-up (int4_block_out's SiLU)
+static void silu_rows(const float* x, float* out, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_xor_ps(v, sign)))));
+    }
+}
+
 // A Llama block after its attention in one operator: x1 = x + int4_wo(attn), then
 // x1 + int4_down(silu(gate) * up) with [gate, up] = int4_gate_up(rms_norm(x1)): the same bits as
-// those steps one by one (the SiLU is ATen's own kernel; the residual adds and the product round once
-// each, as ATen's do)
+// those steps one by one (the SiLU is ATen's own kernel, or its AVX2 arithmetic through ATen's own
+// exp: `silu_rows`; the residual adds and the product round once each, as ATen's do)
 // (models/transformer.py Block, `fused`).
 at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at::Tensor& wo_nib,
                           const at::Tensor& wo_scales, const at::Tensor& wo_shifts, int64_t wo_g,
@@ -332,9 +356,13 @@ at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at:
     dl_rms_norm(yp, wc.data_ptr<float>(), M, dim, (float)eps, (float)offset, xn);
     float* gu = held(2, M * I2 + M * I, keep[2]);
     int4_into(xn, M, dim, gate_up, gu_g, gu, who);
-    at::Tensor gut = at::from_blob(gu, {M, I2}, o), act = at::from_blob(gu + M * I2, {M, I}, o);
-    at::silu_out(act, gut.narrow(1, 0, I));  // ATen's SiLU: its exp, its bits
-    float* ap = act.data_ptr<float>();
+    float* ap = gu + M * I2;
+    if (silu_rows_match_aten(I)) {
+        for (int64_t m = 0; m < M; m++) silu_rows(gu + m * I2, ap + m * I, I);
+    } else {  // ATen's SiLU itself: its exp, its bits
+        at::Tensor gut = at::from_blob(gu, {M, I2}, o), act = at::from_blob(ap, {M, I}, o);
+        at::silu_out(act, gut.narrow(1, 0, I));
+    }
     for (int64_t m = 0; m < M; m++) mul_rows(ap + m * I, gu + m * I2 + I, ap + m * I, I);
     int4_into(ap, M, I, down, down_g, h, who);
     add_rows(yp, h, yp, M * dim);
