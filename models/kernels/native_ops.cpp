@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <ATen/TensorIterator.h>
 #include <ATen/Version.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -302,13 +303,14 @@ static void mul_rows(const float* a, const float* b, float* out, int64_t n) {
 // ATen's own exp of 8 floats on AVX2 (libtorch_cpu's Sleef, which its AVX2 kernels call)
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);
 
-// Whether `silu_rows` gives ATen's SiLU bits: where ATen runs its AVX2 kernels (an AVX-512
-// machine runs its AVX-512 ones) on rows of a multiple of 16 floats (no scalar tail: ATen's
-// vectorized loop takes 16 at a time). Checked on all 2^32 floats against torch's silu
-// (experiments/results/roofline-s53/silu/).
-static bool silu_rows_match_aten(int64_t n) {
+// Whether `silu_rows` over M rows of n floats gives ATen's SiLU bits: where ATen runs its AVX2
+// kernels (an AVX-512 machine runs its AVX-512 ones) on rows of a multiple of 16 floats (ATen's
+// vectorized loop takes 16 at a time: no scalar tail, whose exp is libm's) and fewer values than
+// ATen's grain (one thread walks the rows whole; a split among threads may cut a row anywhere).
+// Checked on all 2^32 floats against torch's silu (experiments/results/roofline-s53/silu/).
+static bool silu_rows_match_aten(int64_t M, int64_t n) {
     static const bool avx2 = at::get_cpu_capability() == "AVX2";
-    return avx2 && n % 16 == 0;
+    return avx2 && n % 16 == 0 && M * n < at::internal::GRAIN_SIZE;
 }
 
 // out = x / (1 + exp(-x)) over n floats (n % 16 == 0): ATen's vectorized SiLU on AVX2, its
@@ -357,7 +359,7 @@ at::Tensor int4_block_out(const at::Tensor& attn, const at::Tensor& x, const at:
     float* gu = held(2, M * I2 + M * I, keep[2]);
     int4_into(xn, M, dim, gate_up, gu_g, gu, who);
     float* ap = gu + M * I2;
-    if (silu_rows_match_aten(I)) {
+    if (silu_rows_match_aten(M, I)) {
         for (int64_t m = 0; m < M; m++) silu_rows(gu + m * I2, ap + m * I, I);
     } else {  // ATen's SiLU itself: its exp, its bits
         at::Tensor gut = at::from_blob(gu, {M, I2}, o), act = at::from_blob(ap, {M, I}, o);
